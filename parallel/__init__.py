@@ -1,0 +1,1 @@
+"""Parallel layout, pipeline schedules, expert-parallel communication, placement and the planner."""

@@ -1,0 +1,1 @@
+"""Accuracy alignment: tolerance model, operator checks, tensor dumps, run-vs-run comparison."""
