@@ -1,0 +1,229 @@
+"""The planner's description of a TeleChat3 / DeepSeek-V3 style MoE decoder: parameter counts, FLOPs, memory.
+
+Everything here is exact integer arithmetic over the model's shapes, so the parameter count can be compared
+one-for-one with a real model's trainable parameters. Sharding follows Megatron-Core / MindFormers:
+the MLA down-projections (q_a, kv_a), norms and router are replicated across tensor parallelism; q_b, kv_b, o,
+the dense FFN, the shared expert and the vocabulary (embedding, head) are split by tp; routed experts are split
+by ep * etp; optimizer states are sharded over the data-parallel replicas of each parameter (ZeRO-1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int  # dense + MoE main layers, MTP not included
+    first_k_dense: int
+    num_heads: int
+    q_lora_rank: int  # 0 = plain q projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    dense_intermediate: int
+    moe_intermediate: int
+    shared_intermediate: int
+    num_routed_experts: int
+    num_shared_experts: int
+    top_k: int
+    mtp_depth: int
+    seq_length: int
+    qk_layernorm: bool = True  # RMSNorm on the q and kv latents (q norm only exists when q_lora_rank > 0)
+    tie_embeddings: bool = False
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+# ---- parameters of one block ----------------------------------------------------------------------------
+def attention_params(s: ModelShape) -> dict[str, int]:
+    """MLA parameters split into what tp replicates and what it shards (latent norms count as attention)."""
+    h, heads = s.hidden_size, s.num_heads
+    latent_norms = s.kv_lora_rank * s.qk_layernorm
+    if s.q_lora_rank > 0:
+        replicated = h * s.q_lora_rank + h * (s.kv_lora_rank + s.qk_rope_head_dim)
+        latent_norms += s.q_lora_rank * s.qk_layernorm
+        sharded = s.q_lora_rank * heads * s.qk_head_dim
+    else:
+        replicated = h * (s.kv_lora_rank + s.qk_rope_head_dim)
+        sharded = h * heads * s.qk_head_dim
+    sharded += s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim) + heads * s.v_head_dim * h
+    return {"replicated": replicated + latent_norms, "sharded": sharded}
+
+
+def dense_ffn_params(s: ModelShape) -> int:
+    return 3 * s.hidden_size * s.dense_intermediate
+
+
+def expert_params(s: ModelShape) -> int:
+    """One routed expert (SwiGLU)."""
+    return 3 * s.hidden_size * s.moe_intermediate
+
+
+def shared_expert_params(s: ModelShape) -> int:
+    return s.num_shared_experts * 3 * s.hidden_size * s.shared_intermediate
+
+
+def router_params(s: ModelShape) -> int:
+    return s.num_routed_experts * s.hidden_size  # the expert bias is a buffer, not a parameter
+
+
+def moe_layer_params(s: ModelShape) -> int:
+    """One full MoE decoder layer: attention, MoE FFN and its two RMSNorms."""
+    a = attention_params(s)
+    return (a["replicated"] + a["sharded"] + router_params(s) + s.num_routed_experts * expert_params(s)
+            + shared_expert_params(s) + 2 * s.hidden_size)
+
+
+def mtp_module_params(s: ModelShape) -> int:
+    """One MTP depth: enorm, hnorm, eh_proj, an MoE decoder layer and its final norm (embedding/head shared)."""
+    h = s.hidden_size
+    return 2 * h + 2 * h * h + moe_layer_params(s) + h
+
+
+def parameter_breakdown(s: ModelShape) -> dict[str, int]:
+    """Trainable parameters by part, plus total / active figures with and without MTP."""
+    h = s.hidden_size
+    a = attention_params(s)
+    head = 0 if s.tie_embeddings else s.vocab_size * h
+    parts = {
+        "embedding": s.vocab_size * h,
+        "attention": s.num_layers * (a["replicated"] + a["sharded"]),
+        "dense_ffn": s.first_k_dense * dense_ffn_params(s),
+        "routed_experts": s.num_moe_layers * s.num_routed_experts * expert_params(s),
+        "shared_experts": s.num_moe_layers * shared_expert_params(s),
+        "router": s.num_moe_layers * router_params(s),
+        "norms": s.num_layers * 2 * h + h,
+        "mtp": s.mtp_depth * mtp_module_params(s),
+        "head": head,
+    }
+    total = sum(parts.values())
+    inactive_per_moe_layer = (s.num_routed_experts - s.top_k) * expert_params(s)
+    parts["total"] = total
+    parts["total_without_mtp"] = total - parts["mtp"]
+    parts["active"] = total - (s.num_moe_layers + s.mtp_depth) * inactive_per_moe_layer
+    parts["active_without_mtp"] = parts["total_without_mtp"] - s.num_moe_layers * inactive_per_moe_layer
+    return parts
+
+
+# ---- FLOPs ----------------------------------------------------------------------------------------------
+def attention_projection_flops(s: ModelShape) -> int:
+    """Forward matmul FLOPs per token of the MLA projections (2 per multiply-add; norms ignored)."""
+    a = attention_params(s)
+    norms = s.kv_lora_rank * s.qk_layernorm + (s.q_lora_rank * s.qk_layernorm if s.q_lora_rank > 0 else 0)
+    return 2 * (a["replicated"] - norms + a["sharded"])
+
+
+def attention_core_flops(s: ModelShape, seq_length: int) -> float:
+    """Forward FLOPs per token of QK^T and PV under a causal mask: on average a token attends to seq/2 keys."""
+    per_key = 2 * s.num_heads * (s.qk_head_dim + s.v_head_dim)
+    return per_key * seq_length / 2
+
+
+def moe_ffn_flops(s: ModelShape) -> int:
+    """Forward FLOPs per token of the router, top_k routed experts and the shared expert."""
+    return 2 * (router_params(s) + s.top_k * expert_params(s) + shared_expert_params(s))
+
+
+def head_flops(s: ModelShape) -> int:
+    return 2 * s.vocab_size * s.hidden_size
+
+
+def flops_per_token(s: ModelShape, seq_length: int | None = None) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward = 3 x forward), with the forward FLOPs of each part.
+
+    Attention scores/values are counted at `seq_length` (default: the shape's) with causal halving. MTP re-applies
+    the shared output head, so its figure includes one more head matmul. The embedding lookup costs no FLOPs.
+    """
+    seq = s.seq_length if seq_length is None else seq_length
+    attn_layer = attention_projection_flops(s) + attention_core_flops(s, seq)
+    forward = {
+        "attention": s.num_layers * attention_projection_flops(s),
+        "attention_core": s.num_layers * attention_core_flops(s, seq),
+        "dense_ffn": s.first_k_dense * 2 * dense_ffn_params(s),
+        "moe": s.num_moe_layers * moe_ffn_flops(s),
+        "head": head_flops(s),
+        "mtp": s.mtp_depth * (2 * 2 * s.hidden_size ** 2 + attn_layer + moe_ffn_flops(s) + head_flops(s)),
+    }
+    fwd_total = sum(forward.values())
+    return {**{f"forward_{k}": v for k, v in forward.items()},
+            "forward": fwd_total, "training": 3 * fwd_total,
+            "training_without_mtp": 3 * (fwd_total - forward["mtp"])}
+
+
+# ---- per-device parameters and training memory ----------------------------------------------------------
+def even_layer_split(num_layers: int, pp: int) -> list[int]:
+    """Layers per physical stage, remainder to the middle stages (the ends also hold embedding / head / MTP)."""
+    base, extra = divmod(num_layers, pp)
+    counts = [base] * pp
+    start = (pp - extra) // 2
+    for i in range(start, start + extra):
+        counts[i] += 1
+    return counts
+
+
+def stage_parameters(s: ModelShape, layout: ParallelLayout,
+                     layers_per_stage: list[int] | None = None) -> list[dict[str, float]]:
+    """Parameters held by one device of each pipeline stage, split into 'dense' and 'expert' (they shard the
+    optimizer over different groups). Stage 0 holds the embedding, the last stage the head and MTP."""
+    counts = layers_per_stage or even_layer_split(s.num_layers, layout.pp)
+    if len(counts) != layout.pp or sum(counts) != s.num_layers:
+        raise ValueError(f"layers_per_stage: expected {layout.pp} stages summing to {s.num_layers}, got {counts}")
+    tp, experts_split = layout.tp, layout.ep * layout.etp
+    a = attention_params(s)
+    h = s.hidden_size
+    attn = a["replicated"] + a["sharded"] / tp + 2 * h
+    dense_layer = attn + dense_ffn_params(s) / tp
+    moe_dense_part = attn + router_params(s) + shared_expert_params(s) / tp
+    moe_expert_part = s.num_routed_experts * expert_params(s) / experts_split
+    vocab = s.vocab_size * h / tp
+    out, first = [], 0
+    for stage, n in enumerate(counts):
+        n_dense = max(0, min(first + n, s.first_k_dense) - first)
+        n_moe = n - n_dense
+        first += n
+        dense = n_dense * dense_layer + n_moe * moe_dense_part
+        expert = n_moe * moe_expert_part
+        if stage == 0:
+            dense += vocab
+        if stage == layout.pp - 1:
+            # a tied head on a separate last stage is a second copy, kept in sync by an all-reduce
+            dense += h + (vocab if not s.tie_embeddings or layout.pp > 1 else 0)
+            dense += s.mtp_depth * (3 * h + 2 * h * h / tp + moe_dense_part)
+            expert += s.mtp_depth * moe_expert_part
+        out.append({"dense": dense, "expert": expert})
+    return out
+
+
+def training_memory(s: ModelShape, layout: ParallelLayout, param_bytes: float, grad_bytes: float,
+                    optimizer_bytes_per_param: float, shard_optimizer: bool,
+                    layers_per_stage: list[int] | None = None) -> dict:
+    """Bytes per device for weights, gradients and optimizer states, for the heaviest pipeline stage.
+
+    `optimizer_bytes_per_param` is Adam's m and v (8 for fp32 states). Where parameters are stored below fp32,
+    a 4-byte fp32 master copy is added to the optimizer states. With `shard_optimizer`, optimizer states are
+    split over the dense data-parallel group (dp * cp) and the expert data-parallel group (edp); weights and
+    gradients stay whole on every replica (ZeRO-1 / MindFormers' parallel optimizer without gradient sharding).
+    """
+    opt_bytes = optimizer_bytes_per_param + (4 if param_bytes < 4 else 0)
+    dense_shards = layout.dp * layout.cp if shard_optimizer else 1
+    expert_shards = layout.edp if shard_optimizer else 1
+    per_stage = []
+    for p in stage_parameters(s, layout, layers_per_stage):
+        params = p["dense"] + p["expert"]
+        row = {"params": params, "weights": params * param_bytes, "grads": params * grad_bytes,
+               "optimizer": opt_bytes * (p["dense"] / dense_shards + p["expert"] / expert_shards)}
+        row["total"] = row["weights"] + row["grads"] + row["optimizer"]
+        per_stage.append(row)
+    worst = max(range(len(per_stage)), key=lambda i: per_stage[i]["total"])
+    return {**per_stage[worst], "stage": worst, "per_stage": per_stage}
