@@ -1,0 +1,130 @@
+"""Deterministic, resumable batches of packed samples, split over data-parallel ranks.
+
+Epoch e visits the samples in a permutation drawn from (seed, e); global batch k of that epoch is
+perm[k*G:(k+1)*G] (the incomplete last batch is dropped) and DP rank r takes the r-th of dp_size equal, contiguous
+shares. The position is (epoch, index of the next global batch): restoring it continues with exactly that batch.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from data_sched.errors import DataError
+from data_sched.packing import PackedSamples, doc_lens_to_segment_ids
+
+COLUMNS = ("input_ids", "labels", "segment_ids")
+
+
+def split_holdout(docs: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held_out): a seeded random `fraction` of the documents is held out; both keep corpus order."""
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"data.eval_fraction: expected a number in [0, 1), got {fraction}")
+    n_held = int(round(fraction * len(docs)))
+    if fraction > 0:
+        n_held = max(1, n_held)
+    if n_held >= len(docs):
+        raise DataError(f"data.eval_fraction={fraction}: {len(docs)} document(s) leave nothing to train on")
+    held = np.zeros(len(docs), dtype=bool)
+    held[np.random.default_rng([seed, 0x401D]).permutation(len(docs))[:n_held]] = True
+    return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
+
+
+class BatchLoader:
+    """This DP rank's share of each global batch: {input_ids, labels, segment_ids}, int32 [G/dp, seq_length]."""
+
+    def __init__(self, samples: PackedSamples, global_batch_size: int, seed: int, dp_rank: int = 0,
+                 dp_size: int = 1):
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise DataError(f"parallel_config.data_parallel: rank {dp_rank} is not in [0, {dp_size})")
+        if global_batch_size < 1 or global_batch_size % dp_size:
+            raise DataError(f"global_batch_size: expected a positive multiple of data_parallel={dp_size}, "
+                            f"got {global_batch_size}")
+        if len(samples) < global_batch_size:
+            raise DataError(f"corpus too small: {len(samples)} packed samples of seq_length={samples.seq_length}"
+                            f" cannot fill one global batch of {global_batch_size}")
+        self.samples = samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.batches_per_epoch = len(samples) // global_batch_size
+        self.epoch = 0
+        self.index = 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def global_batch_indices(self, epoch: int, index: int) -> np.ndarray:
+        """Sample indices of global batch `index` of `epoch`, in DP-rank order."""
+        g = self.global_batch_size
+        return self._permutation(epoch)[index * g:(index + 1) * g]
+
+    def batch_at(self, epoch: int, index: int) -> dict[str, np.ndarray]:
+        rows = self.global_batch_indices(epoch, index)
+        rows = rows[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
+        tokens = self.samples.tokens[rows]
+        seq = self.samples.seq_length
+        segments = np.stack([doc_lens_to_segment_ids(self.samples.sample_doc_lens(i), seq) for i in rows])
+        return {"input_ids": np.ascontiguousarray(tokens[:, :-1]), "labels": np.ascontiguousarray(tokens[:, 1:]),
+                "segment_ids": segments}
+
+    def advance(self, num_batches: int = 1) -> None:
+        """Move the position by `num_batches` global batches (what the trainer consumed)."""
+        pos = self.epoch * self.batches_per_epoch + self.index + num_batches
+        self.epoch, self.index = divmod(pos, self.batches_per_epoch)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = self.batch_at(self.epoch, self.index)
+        self.advance(1)
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_samples": len(self.samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("seed", self.seed), ("global_batch_size", self.global_batch_size),
+                          ("num_samples", len(self.samples))):
+            if key in state and int(state[key]) != mine:
+                raise DataError(f"data state: checkpoint has {key}={state[key]}, this run has {mine}; "
+                                f"the data position cannot be resumed")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self.batches_per_epoch:
+            raise DataError(f"data state: position (epoch={epoch}, index={index}) is outside "
+                            f"{self.batches_per_epoch} batches per epoch")
+        self.epoch, self.index = epoch, index
+
+    def as_mindspore_dataset(self, num_batches: int):
+        """A GeneratorDataset of the next `num_batches` batches from the current position.
+
+        The pipeline prefetches, so it reads from a snapshot of the position and never moves this loader: the
+        trainer calls `advance(1)` per step it trains, which keeps `state_dict()` at the next batch to train.
+        """
+        import mindspore.dataset as ds
+
+        return ds.GeneratorDataset(_Snapshot(self, num_batches), column_names=list(COLUMNS), shuffle=False,
+                                   python_multiprocessing=False)
+
+
+class _Snapshot:
+    """Iterable over `count` batches starting at the loader's position when created."""
+
+    def __init__(self, loader: BatchLoader, count: int):
+        self.loader, self.count = loader, count
+        self.start = loader.epoch * loader.batches_per_epoch + loader.index
+
+    def __iter__(self):
+        per_epoch = self.loader.batches_per_epoch
+        for pos in range(self.start, self.start + self.count):
+            batch = self.loader.batch_at(*divmod(pos, per_epoch))
+            yield tuple(batch[c] for c in COLUMNS)

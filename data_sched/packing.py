@@ -1,0 +1,72 @@
+"""Pack tokenized documents into fixed-length samples that remember where each document starts and ends.
+
+Megatron style: documents are concatenated, each followed by EOD, and cut into samples of seq_length+1 tokens
+that overlap by one (sample i covers stream[i*s : i*s+s+1]; input = [:-1], labels = [1:]), so every stream token
+is an input exactly once. The incomplete tail (fewer than seq_length+1 tokens left) is dropped, as Megatron does;
+`dropped_tokens` says how many. A document's segment is its tokens plus its EOD; a document cut by a sample
+boundary contributes one piece to each sample it touches, so a sample's document lengths sum to seq_length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_sched.errors import DataError
+
+
+@dataclass(frozen=True)
+class PackedSamples:
+    """tokens: int32 [N, seq_length+1]; sample i's document lengths are doc_lens[doc_offsets[i]:doc_offsets[i+1]]."""
+    tokens: np.ndarray
+    doc_offsets: np.ndarray  # int64 [N+1]
+    doc_lens: np.ndarray     # int32 [total pieces]
+    dropped_tokens: int = 0
+
+    @property
+    def seq_length(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def sample_doc_lens(self, i: int) -> np.ndarray:
+        return self.doc_lens[self.doc_offsets[i]:self.doc_offsets[i + 1]]
+
+    def doc_lens_list(self) -> list[np.ndarray]:
+        return [self.sample_doc_lens(i) for i in range(len(self))]
+
+
+def pack_documents(docs: list[np.ndarray], seq_length: int, eod_id: int) -> PackedSamples:
+    """Concatenate `docs` (each + EOD) and cut into samples of seq_length+1 tokens; see the module docstring."""
+    if seq_length < 1:
+        raise DataError(f"model.seq_length: expected a positive integer, got {seq_length}")
+    seg_lens = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    stream = np.full(int(seg_lens.sum()), eod_id, dtype=np.int32)
+    seg_ends = np.cumsum(seg_lens)
+    for doc, end, n in zip(docs, seg_ends, seg_lens):
+        stream[end - n:end - 1] = doc
+    num = (len(stream) - 1) // seq_length if len(stream) > seq_length else 0
+    if num == 0:
+        raise DataError(f"corpus too small: {len(stream)} tokens cannot fill one sample of seq_length={seq_length}"
+                        f" (+1 for the labels)")
+    covered = num * seq_length
+    starts = np.arange(num, dtype=np.int64) * seq_length
+    tokens = np.lib.stride_tricks.sliding_window_view(stream[:covered + 1], seq_length + 1)[::seq_length].copy()
+    # Every cut (document end or sample start) inside the input positions splits a piece; pieces never straddle.
+    cuts = np.union1d(np.concatenate([[0], seg_ends[seg_ends < covered]]), starts)
+    cuts = np.append(cuts, covered)
+    piece_lens = np.diff(cuts).astype(np.int32)
+    piece_sample = cuts[:-1] // seq_length
+    offsets = np.zeros(num + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(np.bincount(piece_sample, minlength=num))
+    return PackedSamples(tokens=tokens, doc_offsets=offsets, doc_lens=piece_lens,
+                         dropped_tokens=int(len(stream) - covered - 1))
+
+
+def doc_lens_to_segment_ids(lens, seq_length: int) -> np.ndarray:
+    """int32 [seq_length]: position p belongs to document piece k (0, 1, ...); the mask is per-segment causal."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if lens.sum() != seq_length or (lens <= 0).any():
+        raise ValueError(f"document lengths must be positive and sum to seq_length={seq_length}, got {lens.tolist()}")
+    return np.repeat(np.arange(len(lens), dtype=np.int32), lens)
