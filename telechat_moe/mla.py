@@ -1,0 +1,119 @@
+"""Multi-Latent Attention with decoupled RoPE (YaRN-scalable) and per-document causal masking.
+
+Queries go through a low-rank latent (q_lora_rank), keys and values through a compressed latent (kv_lora_rank);
+a small rotary part (qk_rope_head_dim) is computed beside the position-free part and shared by all heads for keys.
+RoPE here is the rotate-half form; checkpoints stored with interleaved rotary channels (DeepSeek-V3 on HF) are
+permuted once by the converter, not on every step.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from telechat_moe.config import ModelConfig, yarn_mscale
+from telechat_moe.layers import Linear, RMSNorm, ms_dtype
+
+MASK_VALUE = -1e9
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies and cos/sin scaling; YaRN when rotary_scaling_factor > 1 (same maths as transformers)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if not cfg.yarn_enabled:
+        return 1.0 / pos_freqs, 1.0
+    factor = cfg.rotary_scaling_factor
+
+    def correction_dim(rotations):
+        return dim * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    if cfg.mscale and cfg.mscale_all_dim:
+        attention_factor = yarn_mscale(factor, cfg.mscale) / yarn_mscale(factor, cfg.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor)
+    return inv_freq, attention_factor
+
+
+def rope_tables(cfg: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq, scaling = rope_inv_freq(cfg)
+    freqs = np.outer(np.arange(length, dtype=np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return (np.cos(emb) * scaling).astype(np.float32), (np.sin(emb) * scaling).astype(np.float32)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return ops.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def apply_rope(x, cos, sin):
+    """x [b, heads, s, d]; cos/sin [b, 1, s, d]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_bias(segment_ids, causal: Tensor):
+    """Additive mask [b, 1, s, s]: a position sees earlier positions of its own document only."""
+    s = segment_ids.shape[1]
+    same_doc = ops.expand_dims(segment_ids, 2) == ops.expand_dims(segment_ids, 1)
+    visible = ops.logical_and(same_doc, causal[:s, :s])
+    return ops.expand_dims((1.0 - visible.astype(ms.float32)) * MASK_VALUE, 1)
+
+
+class MultiLatentAttention(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        std, cdt = cfg.initializer_range, ms_dtype(cfg.compute_dtype)
+        self.cfg = cfg
+        self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, std, cdt)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps) if cfg.qk_layernorm else nn.Identity()
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, std, cdt)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, self.num_heads * cfg.qk_head_dim, std, cdt)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, std, cdt)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps) if cfg.qk_layernorm else nn.Identity()
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), std, cdt)
+        self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, std, cdt)
+        self.scale = cfg.softmax_scale()
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_pv = ops.BatchMatMul()
+        self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
+        self.compute_dtype = cdt
+
+    def construct(self, x, cos, sin, bias):
+        b, s, _ = x.shape
+        h = self.num_heads
+        if self.cfg.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.reshape(b, s, h, self.nope + self.rope).transpose(0, 2, 1, 3)
+        q_nope, q_rot = q[..., :self.nope], q[..., self.nope:]
+
+        compressed = self.kv_a_proj_with_mqa(x)
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed[..., :self.cfg.kv_lora_rank]))
+        kv = kv.reshape(b, s, h, self.nope + self.v_dim).transpose(0, 2, 1, 3)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k_rot = compressed[..., self.cfg.kv_lora_rank:].reshape(b, 1, s, self.rope)
+
+        q_rot = apply_rope(q_rot.astype(ms.float32), cos, sin).astype(q.dtype)
+        k_rot = apply_rope(k_rot.astype(ms.float32), cos, sin).astype(q.dtype)
+        query = ops.cat((q_nope, q_rot), -1)
+        key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, s, self.rope))), -1)
+
+        scores = self.bmm_qk(query, key).astype(self.softmax_dtype) * self.scale + bias
+        probs = ops.softmax(scores, -1).astype(self.compute_dtype)
+        out = self.bmm_pv(probs, v.astype(self.compute_dtype))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, h * self.v_dim))

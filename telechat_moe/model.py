@@ -1,0 +1,121 @@
+"""TeleChat3-MoE: a DeepSeek-V3-like decoder. Embedding -> [MLA + (dense FFN | MoE)] x L -> norm -> head, plus MTP.
+
+`construct` returns the losses separately (total, LM, MTP, aux, z) and the per-MoE-layer expert load, so the
+trainer can log them and update the expert bias outside the gradient. Layers sit in one CellList and
+`run_layers(h, start, end)` runs any contiguous slice of them, which is what a pipeline chunk is.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from dvm_fusion.grouped_matmul import grouped_matmul_for
+from telechat_moe.config import ModelConfig
+from telechat_moe.layers import Linear, RMSNorm, SwiGLU, ms_dtype
+from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
+from telechat_moe.moe.layer import MoELayer
+from telechat_moe.mtp import MTPBlock
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: ModelConfig, index: int, grouped_matmul):
+        super().__init__()
+        self.is_moe = cfg.is_moe_layer(index)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MultiLatentAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.is_moe:
+            self.mlp = MoELayer(cfg, grouped_matmul)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
+                              ms_dtype(cfg.compute_dtype))
+        self.zero = Tensor(0.0, ms.float32)
+        self.no_load = Tensor(np.zeros(cfg.n_routed_experts, np.float32))
+
+    def construct(self, x, cos, sin, bias):
+        """-> (hidden, aux loss, z loss, expert load); dense layers report zero losses and load."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias).astype(x.dtype)
+        if self.is_moe:
+            y, aux, z, load = self.mlp(self.post_attention_layernorm(x))
+            return x + y.astype(x.dtype), aux, z, load
+        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), self.zero, self.zero, self.no_load
+
+
+class TeleChatMoE(nn.Cell):
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
+        super().__init__()
+        self.cfg = cfg
+        gmm = grouped_matmul_for(device_target)
+        self.embed_tokens = Parameter(
+            initializer(Normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size), ms.float32),
+            name="embed_tokens")
+        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, ms_dtype(cfg.compute_dtype))
+        self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm))
+                                for d in range(cfg.num_nextn_predict_layers)])
+        length = max(cfg.seq_length, cfg.max_position_embeddings)
+        cos, sin = rope_tables(cfg, length)
+        self.cos, self.sin = Tensor(cos), Tensor(sin)
+        self.causal = Tensor(np.tril(np.ones((cfg.seq_length, cfg.seq_length), dtype=np.bool_)))
+        self.head_matmul = ops.MatMul(transpose_b=True)
+
+    # ---- pieces -------------------------------------------------------------------------------------
+    def embed(self, input_ids):
+        return ops.gather(self.embed_tokens, input_ids, 0)
+
+    def rope(self, position_ids):
+        cos = ops.expand_dims(ops.gather(self.cos, position_ids, 0), 1)
+        sin = ops.expand_dims(ops.gather(self.sin, position_ids, 0), 1)
+        return cos, sin
+
+    def run_layers(self, h, cos, sin, bias, start: int, end: int):
+        aux, z, loads = 0.0, 0.0, []
+        for i in range(start, end):
+            h, a, zz, load = self.layers[i](h, cos, sin, bias)
+            aux, z = aux + a, z + zz
+            if self.layers[i].is_moe:
+                loads.append(load)
+        return h, aux, z, loads
+
+    def logits(self, h):
+        w = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        b, s, d = h.shape
+        return self.head_matmul(h.reshape(b * s, d).astype(ms.float32), w.astype(ms.float32))
+
+    @staticmethod
+    def cross_entropy(logits, labels, mask):
+        """Mean over masked-in positions of -log softmax(logits)[label], in float32."""
+        labels = labels.reshape(-1, 1)
+        nll = ops.logsumexp(logits, -1) - ops.gather_elements(logits, 1, labels).squeeze(-1)
+        mask = mask.reshape(-1).astype(ms.float32)
+        return (nll * mask).sum() / ops.maximum(mask.sum(), 1.0)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def hidden_states(self, input_ids, segment_ids, position_ids):
+        cos, sin = self.rope(position_ids)
+        bias = attention_bias(segment_ids, self.causal)
+        h, aux, z, loads = self.run_layers(self.embed(input_ids), cos, sin, bias, 0, self.cfg.num_hidden_layers)
+        return h, aux, z, loads, (cos, sin, bias)
+
+    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids):
+        h, aux, z, loads, (cos, sin, bias) = self.hidden_states(input_ids, segment_ids, position_ids)
+        lm_loss = self.cross_entropy(self.logits(self.norm(h)), labels, loss_mask)
+        mtp_loss = 0.0
+        next_ids, mtp_mask = labels, loss_mask
+        for block in self.mtp:
+            # Depth d sees the embedding of token i+d and predicts token i+d+1; the last d positions have no target.
+            mtp_labels = ops.cat((next_ids[:, 1:], next_ids[:, -1:]), 1)
+            mtp_mask = ops.cat((mtp_mask[:, 1:], ops.zeros_like(mtp_mask[:, -1:])), 1)
+            h, a, zz, load = block(h, self.embed(next_ids), cos, sin, bias)
+            aux, z = aux + a, z + zz
+            loads.append(load)
+            mtp_loss = mtp_loss + self.cross_entropy(self.logits(h), mtp_labels, mtp_mask)
+            next_ids = mtp_labels
+        if self.mtp:
+            mtp_loss = mtp_loss / len(self.mtp)
+        total = lm_loss + self.cfg.mtp_loss_factor * mtp_loss + aux + z
+        return total, lm_loss, mtp_loss, aux, z, ops.stack(loads)

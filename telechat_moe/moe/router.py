@@ -1,0 +1,79 @@
+"""Top-k token-choice router: sigmoid or softmax scores, optional group-limited choice, an expert bias for
+aux-loss-free balancing, a sequence-level auxiliary loss and an optional z-loss.
+
+The expert bias only changes which experts are chosen, never the combine weights, and it is not trained by the
+gradient: `update_expert_bias` moves it after each step towards equal load (DeepSeek-V3's rule).
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from telechat_moe.config import ModelConfig
+
+
+class TopKRouter(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e = cfg.n_routed_experts
+        self.cfg = cfg
+        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
+        self.weight = Parameter(initializer(Normal(cfg.initializer_range), (e, cfg.hidden_size), ms.float32),
+                                name="weight")
+        self.expert_bias = Parameter(Tensor(np.zeros(e, np.float32)), name="expert_bias", requires_grad=False)
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+
+    def _choice_scores(self, scores):
+        choice = scores
+        if self.cfg.moe_router_enable_expert_bias:
+            choice = choice + self.expert_bias
+        if self.cfg.n_group > 1:
+            t, g = choice.shape[0], self.cfg.n_group
+            grouped = choice.reshape(t, g, self.num_experts // g)
+            if self.cfg.scoring_func == "sigmoid":
+                group_scores = ops.topk(grouped, 2)[0].sum(-1)
+            else:
+                group_scores = grouped.max(-1)
+            group_idx = ops.topk(group_scores, self.cfg.topk_group)[1]
+            group_mask = ops.one_hot(group_idx, g, self.on_value, self.off_value).sum(1)
+            expert_mask = ops.broadcast_to(ops.expand_dims(group_mask, -1), grouped.shape).reshape(t, -1)
+            choice = choice * expert_mask
+        return ops.stop_gradient(choice)
+
+    def construct(self, x, batch: int):
+        """x [T, h] (T = batch * seq) -> indices [T, k], weights [T, k], aux loss, z loss, load [E]."""
+        logits = self.matmul(x.astype(ms.float32), self.weight)
+        if self.cfg.scoring_func == "sigmoid":
+            scores = ops.sigmoid(logits)
+        else:
+            scores = ops.softmax(logits, -1)
+        indices = ops.topk(self._choice_scores(scores), self.top_k)[1]
+        weights = ops.gather_elements(scores, 1, indices)
+        if self.cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights * self.cfg.routed_scaling_factor
+
+        selected = ops.one_hot(indices, self.num_experts, self.on_value, self.off_value).sum(1)  # [T, E]
+        load = selected.sum(0)
+        aux = self._sequence_aux_loss(scores, selected, batch)
+        z = ops.mean(ops.square(ops.logsumexp(logits, -1))) * self.cfg.moe_z_loss_coeff
+        return indices.astype(ms.int32), weights, aux, z, ops.stop_gradient(load)
+
+    def _sequence_aux_loss(self, scores, selected, batch: int):
+        """alpha * sum_e f_e * P_e per sequence, averaged over sequences (DeepSeek-V3, eq. 17-20)."""
+        t = scores.shape[0]
+        seq = t // batch
+        e, k = self.num_experts, self.top_k
+        f = ops.stop_gradient(selected).reshape(batch, seq, e).sum(1) * (e / (k * seq))
+        normed = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+        p = normed.reshape(batch, seq, e).mean(1)
+        return (f * p).sum(-1).mean() * self.cfg.moe_aux_loss_coeff
+
+
+def expert_bias_delta(load: np.ndarray, rate: float) -> np.ndarray:
+    """The aux-loss-free update: raise the bias of under-loaded experts, lower over-loaded ones, by `rate`."""
+    load = np.asarray(load, dtype=np.float64)
+    return (rate * np.sign(load.mean(-1, keepdims=True) - load)).astype(np.float32)
