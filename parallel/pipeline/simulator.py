@@ -1,0 +1,190 @@
+"""Event-driven timeline of a pipeline schedule: step time, bubble, exposed communication, activation memory.
+
+Timing model (per stage one compute stream):
+- a forward/backward of (stage, chunk) takes its compute time plus its in-pass communication (the expert
+  all-to-all of an MoE chunk), which is exposed: the stream waits for it;
+- an overlapped (F, B) pair takes cF + cB plus whatever part of each one's communication the other's compute
+  cannot cover: cF + cB + max(0, aF - cB) + max(0, aB - cF);
+- a point-to-point transfer to the neighbouring stage takes `p2p` seconds; the receiver may start `p2p` after the
+  sender finished. Unless the schedule runs transfers on their own stream (`async_p2p`), the sender's stream is
+  busy for that time too (blocking send, as in non-overlapped 1F1B).
+Activation memory of (stage, chunk) is held from the start of its forward to the end of its backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.pipeline.schedules import Action, Kind, Schedule, dependencies, validate
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per (stage, chunk) costs of one micro-batch: seconds for time, any unit for activation memory."""
+    forward: tuple[tuple[float, ...], ...]
+    backward: tuple[tuple[float, ...], ...]
+    forward_comm: tuple[tuple[float, ...], ...] | None = None
+    backward_comm: tuple[tuple[float, ...], ...] | None = None
+    activation: tuple[tuple[float, ...], ...] | None = None
+    p2p: float = 0.0
+
+    @classmethod
+    def uniform(cls, p: int, v: int, forward: float = 1.0, backward: float = 2.0, p2p: float = 0.0,
+                comm_fraction: float = 0.0, activation: float = 1.0) -> "StageCosts":
+        """Every stage equal; a stage's per-micro-batch work split evenly over its v chunks, of which
+        `comm_fraction` (relative to compute) is in-pass communication."""
+        def grid(x: float) -> tuple[tuple[float, ...], ...]:
+            return tuple(tuple(x / v for _ in range(v)) for _ in range(p))
+
+        return cls(grid(forward), grid(backward), grid(forward * comm_fraction), grid(backward * comm_fraction),
+                   grid(activation), p2p)
+
+    def compute(self, stage: int, a: Action) -> float:
+        return (self.forward if a.kind is Kind.F else self.backward)[stage][a.chunk]
+
+    def comm(self, stage: int, a: Action) -> float:
+        table = self.forward_comm if a.kind is Kind.F else self.backward_comm
+        return table[stage][a.chunk] if table is not None else 0.0
+
+    def act(self, stage: int, chunk: int) -> float:
+        return self.activation[stage][chunk] if self.activation is not None else 1.0
+
+
+@dataclass(frozen=True)
+class Interval:
+    stage: int
+    start: float
+    end: float
+    kind: str  # "F", "B", "FB" (overlapped pair) or "p2p" (blocking send)
+    actions: tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: Schedule
+    step_time: float
+    compute: tuple[float, ...]  # per stage: pure compute seconds
+    exposed_comm: tuple[float, ...]  # per stage: seconds the stream waited on communication
+    peak_activation: tuple[float, ...]
+    intervals: tuple[Interval, ...]
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle fraction of all stages' time: neither computing nor waiting on communication."""
+        total = self.step_time * self.schedule.stages
+        return 1.0 - (sum(self.compute) + sum(self.exposed_comm)) / total
+
+    @property
+    def exposed_comm_ratio(self) -> float:
+        return sum(self.exposed_comm) / (self.step_time * self.schedule.stages)
+
+
+def theoretical_bubble(p: int, m: int, v: int = 1) -> float:
+    """Bubble of (interleaved) 1F1B for uniform stages and free communication: (p-1) / (v*m + p-1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def _sends(schedule: Schedule, stage: int, a: Action) -> bool:
+    """Whether the action's output goes to another stage (activations forward, gradients backward)."""
+    k, last = schedule.virtual_stage(stage, a.chunk), schedule.stages * schedule.chunks - 1
+    nxt = k + 1 if a.kind is Kind.F else k - 1
+    return 0 <= nxt <= last and nxt % schedule.stages != stage
+
+
+def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+    report = validate(schedule)
+    p = schedule.stages
+    slots = [schedule.slots(s) for s in range(p)]
+    finish: dict[tuple[int, Action], float] = {}
+    start_of: dict[tuple[int, Action], float] = {}
+    free = [0.0] * p
+    compute = [0.0] * p
+    exposed = [0.0] * p
+    intervals: list[Interval] = []
+    for s, i in report.order:
+        slot = slots[s][i]
+        ready = free[s]
+        for a in slot:
+            for t, dep in dependencies(schedule, s, a):
+                ready = max(ready, finish[(t, dep)] + (costs.p2p if t != s else 0.0))
+        c = [costs.compute(s, a) for a in slot]
+        w = [costs.comm(s, a) for a in slot]
+        if len(slot) == 2:  # overlapped pair: each one's communication hides behind the other's compute
+            duration = c[0] + c[1] + max(0.0, w[0] - c[1]) + max(0.0, w[1] - c[0])
+        else:
+            duration = c[0] + w[0]
+        end = ready + duration
+        compute[s] += sum(c)
+        exposed[s] += duration - sum(c)
+        intervals.append(Interval(s, ready, end, "".join(a.kind.value for a in slot), slot))
+        for a in slot:
+            start_of[(s, a)] = ready
+            finish[(s, a)] = end
+        free[s] = end
+        if not schedule.async_p2p:
+            n = sum(_sends(schedule, s, a) for a in slot)
+            if n and costs.p2p:
+                intervals.append(Interval(s, end, end + n * costs.p2p, "p2p", slot))
+                free[s] = end + n * costs.p2p
+                exposed[s] += n * costs.p2p
+    step = max(free)
+    peak = []
+    for s in range(p):
+        events = []
+        for a in schedule.actions[s]:
+            if a.kind is Kind.F:
+                events.append((start_of[(s, a)], 1, costs.act(s, a.chunk)))
+            else:
+                events.append((finish[(s, a)], 0, -costs.act(s, a.chunk)))  # frees sort before allocations
+        held = top = 0.0
+        for _, _, delta in sorted(events):
+            held += delta
+            top = max(top, held)
+        peak.append(top)
+    return SimResult(schedule, step, tuple(compute), tuple(exposed), tuple(peak), tuple(intervals))
+
+
+def gantt(result: SimResult, path: str, title: str | None = None) -> None:
+    """Write a Gantt chart PNG: one row per stage, colour per chunk, light forward, dark backward; an overlapped
+    pair is drawn as a forward half over a backward half; blocking sends hatched grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    sched = result.schedule
+    cmap = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.22 * len(sched.actions[0]) + 2), 0.6 * sched.stages + 1.6))
+    for iv in result.intervals:
+        y = sched.stages - 1 - iv.stage
+        width = iv.end - iv.start
+        if iv.kind == "p2p":
+            ax.broken_barh([(iv.start, width)], (y + 0.1, 0.8), facecolors="lightgrey", hatch="///",
+                           edgecolor="grey", linewidth=0.3)
+            continue
+        halves = [(a, (y + 0.5, 0.4) if len(iv.actions) == 2 and n == 0 else
+                   (y + 0.1, 0.4) if len(iv.actions) == 2 else (y + 0.1, 0.8))
+                  for n, a in enumerate(iv.actions)]
+        for a, band in halves:
+            color = cmap(a.chunk % 10)
+            alpha = 0.45 if a.kind is Kind.F else 1.0
+            ax.broken_barh([(iv.start, width)], band, facecolors=[color], alpha=alpha, edgecolor="black",
+                           linewidth=0.4)
+            if width > 0.012 * result.step_time:
+                ax.text(iv.start + width / 2, band[0] + band[1] / 2, str(a.microbatch), ha="center",
+                        va="center", fontsize=6 if len(iv.actions) == 2 else 7)
+    ax.set_yticks([sched.stages - 1 - s + 0.5 for s in range(sched.stages)])
+    ax.set_yticklabels([f"stage {s}" for s in range(sched.stages)])
+    ax.set_xlim(0, result.step_time)
+    ax.set_xlabel("time")
+    legend = [Patch(facecolor=cmap(c % 10), alpha=0.45, label=f"F chunk {c}") for c in range(sched.chunks)]
+    legend += [Patch(facecolor=cmap(c % 10), label=f"B chunk {c}") for c in range(sched.chunks)]
+    if any(iv.kind == "p2p" for iv in result.intervals):
+        legend.append(Patch(facecolor="lightgrey", hatch="///", label="blocking send"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(6, len(legend)),
+              fontsize=7, frameon=False)
+    ax.set_title(title or f"{sched.name}: p={sched.stages} v={sched.chunks} m={sched.microbatches}  "
+                 f"step {result.step_time:.2f}  bubble {100 * result.bubble_ratio:.1f}%", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
