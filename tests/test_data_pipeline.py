@@ -236,3 +236,22 @@ def test_split_holdout_is_disjoint_deterministic_and_seeded():
     assert train == [d for d in docs if d in set(train)]  # corpus order kept
     with pytest.raises(DataError, match="eval_fraction"):
         split_holdout(docs, 1.0, seed=0)
+
+
+# ---- the trainer's entry ----------------------------------------------------------------------------------------
+
+def test_prepare_data_trains_a_tokenizer_on_training_docs_only_and_packs_both_splits(tmp_path):
+    from data_sched.prepare import prepare_data
+
+    corpus = tmp_path / "c.jsonl"
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "水浒", "红楼"]
+    docs = [" ".join(rng.choice(words, rng.integers(5, 80))) for _ in range(60)]
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    data = prepare_data([str(corpus)], 16, seed=0, eval_fraction=0.1, vocab_size=300,
+                        tokenizer_out=str(tmp_path / "tok" / "spm"))
+    assert (tmp_path / "tok" / "spm.model").is_file()
+    assert data.train.seq_length == 16 and len(data.held_out) > 0
+    again = prepare_data([str(corpus)], 16, seed=0, eval_fraction=0.1, tokenizer_path=data.tokenizer.path)
+    assert np.array_equal(again.train.tokens, data.train.tokens)
+    assert np.array_equal(again.held_out.tokens, data.held_out.tokens)
