@@ -1,0 +1,121 @@
+"""Schedules, validator and simulator against pipeline theory.
+
+Formulas the tests hold the simulator to (uniform stages, free communication):
+- 1F1B bubble = (p-1) / (m + p-1)
+- interleaved 1F1B with v chunks per stage: bubble = (p-1) / (v*m + p-1)
+- activations in flight on stage s: 1F1B min(p-s, m); interleaved 2(p-s-1) + (v-1)p + 1 when m > p (its warm-up
+  plus the one in steady state).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from parallel.pipeline.schedules import (Action, Kind, Schedule, ScheduleError, build, gpipe, interleaved_1f1b,
+                                         one_f_one_b, overlapped_1f1b, validate)
+from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
+
+GRID = [(p, v, m) for p in (2, 4, 8) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_bubble_matches_theory(p, v, m):
+    for forward, backward in ((1.0, 2.0), (1.0, 1.0)):
+        r1 = simulate(one_f_one_b(p, m), StageCosts.uniform(p, 1, forward, backward))
+        assert abs(r1.bubble_ratio - (p - 1) / (m + p - 1)) < 0.005
+        ri = simulate(interleaved_1f1b(p, v, m), StageCosts.uniform(p, v, forward, backward))
+        assert abs(ri.bubble_ratio - (p - 1) / (v * m + p - 1)) < 0.005
+        assert ri.bubble_ratio == pytest.approx(theoretical_bubble(p, m, v), abs=0.005)
+        # the overlapped variant only reorders when communication is free: same bubble as interleaved
+        ro = simulate(overlapped_1f1b(p, v, m), StageCosts.uniform(p, v, forward, backward))
+        assert abs(ro.bubble_ratio - (p - 1) / (v * m + p - 1)) < 0.005
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "overlapped"])
+def test_every_schedule_valid_over_a_grid(name):
+    for p in range(1, 7):
+        for v in (1, 2, 3):
+            for k in (1, 2, 3):
+                validate(build(name, p, v, k * p))
+
+
+def test_activations_in_flight():
+    p, v, m = 4, 2, 8
+    assert validate(one_f_one_b(p, m)).peak_in_flight == tuple(min(p - s, m) for s in range(p))
+    assert validate(gpipe(p, m)).peak_in_flight == (m,) * p
+    assert validate(interleaved_1f1b(p, v, m)).peak_in_flight == tuple(2 * (p - s - 1) + (v - 1) * p + 1
+                                                                       for s in range(p))
+    # memory from the simulator agrees with the count when each chunk holds 1/v of a stage's activations
+    r = simulate(interleaved_1f1b(p, v, m), StageCosts.uniform(p, v, activation=1.0))
+    assert r.peak_activation == pytest.approx([n / v for n in validate(r.schedule).peak_in_flight])
+
+
+def test_overlapped_pairs_forward_and_backward_of_different_microbatches():
+    s = overlapped_1f1b(4, 2, 8)
+    for stage in range(4):
+        assert s.pairs[stage], "steady state must pair passes"
+        for f, b in (slot for slot in s.slots(stage) if len(slot) == 2):
+            assert f.kind is Kind.F and b.kind is Kind.B and f.microbatch != b.microbatch
+
+
+def test_overlap_hides_communication():
+    p, v, m = 4, 2, 8
+    step = {}
+    for n in ("1f1b", "interleaved", "overlapped"):
+        s = build(n, p, v, m)  # the same work per stage, split over the schedule's chunks
+        step[n] = simulate(s, StageCosts.uniform(p, s.chunks, p2p=0.05, comm_fraction=0.3)).step_time
+    assert step["overlapped"] < step["interleaved"] < step["1f1b"]
+    no_comm = StageCosts.uniform(p, v)
+    assert simulate(build("overlapped", p, v, m), no_comm).step_time == pytest.approx(
+        simulate(build("interleaved", p, v, m), no_comm).step_time)
+
+
+def test_p2p_latency_by_hand():
+    # 2 stages, 1 micro-batch: F on s0 (1), send, F on s1 (1), B on s1 (2), send, B on s0 (2)
+    costs = StageCosts(((1.0,), (1.0,)), ((2.0,), (2.0,)), p2p=0.25)
+    r = simulate(gpipe(2, 1), costs)
+    assert r.step_time == pytest.approx(6.5)
+    assert r.bubble_ratio == pytest.approx(1 - (6.0 + 0.5) / (2 * 6.5))  # blocking sends count as exposed comm
+
+
+def test_validator_rejects_broken_schedules():
+    ok = one_f_one_b(2, 2)
+
+    def with_stage0(acts, **kw):
+        return Schedule("bad", 2, 1, 2, (tuple(acts), ok.actions[1]), **kw)
+
+    F, B = Kind.F, Kind.B
+    with pytest.raises(ScheduleError, match="twice"):
+        validate(with_stage0([Action(F, 0), Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)]))
+    with pytest.raises(ScheduleError, match="missing B1"):
+        validate(with_stage0([Action(F, 0), Action(F, 1), Action(B, 0)]))
+    with pytest.raises(ScheduleError, match="before its forward"):
+        validate(with_stage0([Action(F, 0), Action(B, 1), Action(F, 1), Action(B, 0)]))
+    with pytest.raises(ScheduleError, match="outside"):
+        validate(with_stage0([Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1), Action(F, 0, 1)]))
+    # stage 1 starts with F1, which stage 0 sends only after B0, which needs stage 1's B0: a cycle
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(Schedule("bad", 2, 1, 2, ((Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)),
+                                           (Action(F, 1), Action(F, 0), Action(B, 0), Action(B, 1)))))
+    with pytest.raises(ScheduleError, match="pair"):
+        validate(with_stage0([Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)],
+                             pairs=(frozenset({0}), frozenset())))
+
+
+def test_builders_reject_bad_sizes():
+    with pytest.raises(ScheduleError, match="multiple of the 4 stages"):
+        interleaved_1f1b(4, 2, 6)
+    with pytest.raises(ScheduleError, match="microbatches: expected a positive integer"):
+        one_f_one_b(4, 0)
+    with pytest.raises(ScheduleError, match="schedule: expected one of"):
+        build("zb", 4, 2, 8)
+
+
+def test_gantt_png(tmp_path):
+    r = simulate(overlapped_1f1b(4, 2, 8), StageCosts.uniform(4, 2, p2p=0.05, comm_fraction=0.3))
+    path = tmp_path / "g.png"
+    gantt(r, str(path))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 10_000
