@@ -1,0 +1,184 @@
+"""Measure this machine and write it as a cluster: `python -m parallel.planner.calibrate [--out FILE]`.
+
+Measured: fp32 GEMM FLOP/s (numpy/OpenBLAS, large square GEMMs, best of several), attention-shaped batched GEMM
+FLOP/s (their ratio is the attention efficiency), streaming memory bandwidth (array copy), loopback TCP
+bandwidth and latency between two processes (the transport of msrun's CPU collectives on one machine), and,
+when MindSpore is importable, the per-operator launch overhead of a graph-mode kernel chain.
+Since peak and sustained rate are the same measurement here, the matmul/memory/network efficiencies are 1.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from parallel.planner.cluster import CLUSTER_DIR, GIB
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_flops(n: int = 1536, repeats: int = 5) -> float:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    return 2 * n ** 3 / _best_seconds(lambda: a @ b, repeats)
+
+
+def attention_gemm_flops(heads: int = 8, seq: int = 512, head_dim: int = 32, repeats: int = 5) -> float:
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((heads, seq, head_dim), dtype=np.float32)
+    k = rng.standard_normal((heads, head_dim, seq), dtype=np.float32)
+    return 2 * heads * seq * seq * head_dim / _best_seconds(lambda: np.matmul(q, k), repeats)
+
+
+def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    src = np.ones(mib * 2 ** 20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    return 2 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), repeats)  # read + write
+
+
+def _sink(port_queue, total: int) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port_queue.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.recv(1)
+    conn.sendall(b"p")  # latency ping answered once
+    got = 0
+    while got < total:
+        got += len(conn.recv(1 << 20))
+    conn.sendall(b"d")
+    conn.close()
+
+
+def loopback_link(total_mib: int = 256) -> tuple[float, float]:
+    """(bandwidth bytes/s, one-way latency s) of a TCP stream between two local processes."""
+    total = total_mib * 2 ** 20
+    queue = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=_sink, args=(queue, total))
+    proc.start()
+    client = socket.create_connection(("127.0.0.1", queue.get(timeout=30)))
+    t0 = time.perf_counter()
+    client.sendall(b"p")
+    client.recv(1)
+    latency = (time.perf_counter() - t0) / 2
+    chunk = b"\0" * (1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(total_mib):
+        client.sendall(chunk)
+    client.recv(1)
+    bandwidth = total / (time.perf_counter() - t0)
+    client.close()
+    proc.join(timeout=30)
+    return bandwidth, latency
+
+
+def mindspore_op_overhead(chain: int = 200, repeats: int = 5) -> float | None:
+    """Seconds per tiny operator in a MindSpore graph-mode kernel chain on CPU, or None without MindSpore."""
+    try:
+        import mindspore as ms
+    except ImportError:
+        return None
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+
+    @ms.jit
+    def chained(x):
+        for _ in range(chain):
+            x = x * 1.0001 + 0.0001
+        return x
+
+    x = ms.Tensor(np.ones((8, 8), np.float32))
+    seconds = _best_seconds(lambda: chained(x).asnumpy(), repeats)
+    return seconds / (2 * chain)
+
+
+def total_memory_bytes() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024.0
+    raise RuntimeError("MemTotal not found in /proc/meminfo")
+
+
+def measure(use_mindspore: bool = True) -> dict:
+    steps = [("fp32 GEMM", gemm_flops), ("attention-shaped GEMM", attention_gemm_flops),
+             ("memory bandwidth", memory_bandwidth), ("loopback link", loopback_link)]
+    if use_mindspore:
+        steps.append(("MindSpore op overhead", mindspore_op_overhead))
+    results = {}
+    for i, (label, fn) in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] measuring {label} ...", file=sys.stderr, flush=True)
+        results[label] = fn()
+    return results
+
+
+def cluster_document(results: dict, devices_per_node: int) -> dict:
+    gemm = results["fp32 GEMM"]
+    bandwidth, latency = results["loopback link"]
+    overhead = results.get("MindSpore op overhead") or 0.0
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    how = f"measured by `python -m parallel.planner.calibrate` on {host}, {stamp}"
+    return {
+        "name": "cpu",
+        "devices_per_node": devices_per_node,
+        "device": {"peak_flops": {"fp32": float(f"{gemm:.4g}")},
+                   "memory_gib": round(total_memory_bytes() / GIB, 2),
+                   "memory_bandwidth": float(f"{results['memory bandwidth']:.4g}")},
+        "intra_node": {"bandwidth": float(f"{bandwidth:.4g}"), "latency": float(f"{latency:.3g}")},
+        "inter_node": {"bandwidth": float(f"{bandwidth:.4g}"), "latency": float(f"{latency:.3g}")},
+        "efficiency": {"matmul": 1.0, "memory": 1.0, "network": 1.0,
+                       "attention": round(min(1.0, results["attention-shaped GEMM"] / gemm), 3)},
+        "flash_attention": False,
+        "op_overhead": float(f"{max(overhead, 1e-9):.3g}"),
+        "usable_memory_fraction": 0.8,
+        "sources": {"device": how + " (numpy fp32 GEMM n=1536; np.copyto of 256 MiB)",
+                    "intra_node": how + " (TCP loopback between two processes, 256 MiB stream)",
+                    "inter_node": "one machine: same as intra_node",
+                    "op_overhead": how + " (MindSpore graph-mode chain of tiny elementwise ops)"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel.planner.calibrate", description=__doc__)
+    parser.add_argument("--out", default=str(CLUSTER_DIR / "cpu.yaml"), help="cluster YAML to write")
+    parser.add_argument("--devices-per-node", type=int, default=8,
+                        help="processes that msrun places on this machine, at most (default 8)")
+    parser.add_argument("--no-mindspore", action="store_true", help="skip the MindSpore op-overhead measurement")
+    args = parser.parse_args(argv)
+    if args.devices_per_node < 1:
+        print("calibrate: --devices-per-node: expected a positive integer", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        print(f"calibrate: --out: folder {out.parent} does not exist", file=sys.stderr)
+        return 2
+    doc = cluster_document(measure(not args.no_mindspore), args.devices_per_node)
+    out.write_text("# Written by `python -m parallel.planner.calibrate`; rerun it to re-measure.\n"
+                   + yaml.safe_dump(doc, sort_keys=False))
+    print(f"wrote {out}: fp32 {doc['device']['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
+          f"{doc['device']['memory_bandwidth'] / 1e9:.1f} GB/s, link {doc['intra_node']['bandwidth'] / 1e9:.2f} GB/s, "
+          f"op overhead {doc['op_overhead'] * 1e6:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Cluster descriptions: one YAML per machine type in parallel/planner/clusters/, each figure with its source."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
+GIB = 2 ** 30
+
+
+class ClusterError(ValueError):
+    """A cluster file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    devices_per_node: int
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s of one device
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s
+    intra_bandwidth: float  # bytes/s per device and direction inside a node
+    intra_latency: float
+    inter_bandwidth: float  # bytes/s per device and direction between nodes
+    inter_latency: float
+    matmul_efficiency: float  # sustained fraction of peak FLOP/s on large GEMMs
+    memory_efficiency: float  # sustained fraction of memory bandwidth on streaming kernels
+    network_efficiency: float  # sustained fraction of link bandwidth in collectives
+    attention_efficiency: float  # sustained fraction of peak in the attention kernel
+    flash_attention: bool  # scores never materialised (and recomputed in backward)
+    op_overhead: float  # seconds per operator launch not hidden behind the previous one
+    usable_memory_fraction: float
+    sources: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ClusterError(f"cluster {self.name}: no peak_flops for dtype {dtype!r} "
+                               f"(has {sorted(self.peak_flops)})")
+        return self.peak_flops[dtype]
+
+
+def available_clusters() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+
+
+def _get(doc: dict, path: str, where: str, kind=float, default=None):
+    node = doc
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            if default is not None:
+                return default
+            raise ClusterError(f"{where}: missing field {path}")
+        node = node[key]
+    if kind is bool:
+        if not isinstance(node, bool):
+            raise ClusterError(f"{where}: field {path} must be true or false, got {node!r}")
+        return node
+    try:
+        value = kind(node)
+    except (TypeError, ValueError):
+        raise ClusterError(f"{where}: field {path} must be a {kind.__name__}, got {node!r}") from None
+    if kind in (int, float) and not value > 0:
+        raise ClusterError(f"{where}: field {path} must be positive, got {node!r}")
+    return value
+
+
+def cluster_from_dict(doc: dict, where: str) -> Cluster:
+    if not isinstance(doc, dict):
+        raise ClusterError(f"{where}: expected a mapping at the top level")
+    peaks = doc.get("device", {}).get("peak_flops") if isinstance(doc.get("device"), dict) else None
+    if not isinstance(peaks, dict) or not peaks:
+        raise ClusterError(f"{where}: field device.peak_flops must map dtype names to FLOP/s")
+    peak_flops = {str(k): _get(peaks, str(k), where + " device.peak_flops") for k in peaks}
+    eff = {k: _get(doc, f"efficiency.{k}", where) for k in ("matmul", "memory", "network", "attention")}
+    for k, v in eff.items():
+        if v > 1:
+            raise ClusterError(f"{where}: field efficiency.{k} is a fraction of peak, got {v}")
+    usable = _get(doc, "usable_memory_fraction", where)
+    if usable > 1:
+        raise ClusterError(f"{where}: field usable_memory_fraction must be at most 1, got {usable}")
+    return Cluster(
+        name=str(doc.get("name", where)), devices_per_node=_get(doc, "devices_per_node", where, int),
+        peak_flops=peak_flops, memory_bytes=_get(doc, "device.memory_gib", where) * GIB,
+        memory_bandwidth=_get(doc, "device.memory_bandwidth", where),
+        intra_bandwidth=_get(doc, "intra_node.bandwidth", where), intra_latency=_get(doc, "intra_node.latency", where),
+        inter_bandwidth=_get(doc, "inter_node.bandwidth", where), inter_latency=_get(doc, "inter_node.latency", where),
+        matmul_efficiency=eff["matmul"], memory_efficiency=eff["memory"], network_efficiency=eff["network"],
+        attention_efficiency=eff["attention"], flash_attention=_get(doc, "flash_attention", where, bool),
+        op_overhead=_get(doc, "op_overhead", where), usable_memory_fraction=usable,
+        sources=dict(doc.get("sources") or {}))
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A cluster by name (a file in clusters/) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CLUSTER_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ClusterError(f"--cluster: unknown cluster {name_or_path!r}; available: {', '.join(available_clusters())}")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ClusterError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return cluster_from_dict(doc, str(path))
