@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from parallel.layout import ParallelLayout
 
 
@@ -172,6 +174,27 @@ def even_layer_split(num_layers: int, pp: int) -> list[int]:
     return counts
 
 
+def block_parameters(s: ModelShape, tp, experts_split) -> dict:
+    """Parameters one device holds per block kind, given tp and ep*etp (scalars or NumPy arrays).
+
+    'moe_dense' is the attention, norms, router and shared expert of an MoE layer; 'moe_expert' its routed experts;
+    'vocab' one vocabulary matrix (embedding or head); 'mtp_dense' / 'mtp_expert' one MTP depth without the head.
+    """
+    h = s.hidden_size
+    a = attention_params(s)
+    attn = a["replicated"] + a["sharded"] / tp + 2 * h
+    moe_dense = attn + router_params(s) + shared_expert_params(s) / tp
+    moe_expert = s.num_routed_experts * expert_params(s) / experts_split
+    return {"dense_layer": attn + dense_ffn_params(s) / tp, "moe_dense": moe_dense, "moe_expert": moe_expert,
+            "vocab": s.vocab_size * h / tp, "final_norm": h,
+            "mtp_dense": 3 * h + 2 * h * h / tp + moe_dense, "mtp_expert": moe_expert}
+
+
+def dense_layers_in(s: ModelShape, first_layer, count):
+    """How many of the layers [first_layer, first_layer + count) are dense (works on NumPy arrays)."""
+    return np.clip(np.minimum(first_layer + count, s.first_k_dense) - first_layer, 0, None)
+
+
 def stage_parameters(s: ModelShape, layout: ParallelLayout,
                      layers_per_stage: list[int] | None = None) -> list[dict[str, float]]:
     """Parameters held by one device of each pipeline stage, split into 'dense' and 'expert' (they shard the
@@ -179,28 +202,20 @@ def stage_parameters(s: ModelShape, layout: ParallelLayout,
     counts = layers_per_stage or even_layer_split(s.num_layers, layout.pp)
     if len(counts) != layout.pp or sum(counts) != s.num_layers:
         raise ValueError(f"layers_per_stage: expected {layout.pp} stages summing to {s.num_layers}, got {counts}")
-    tp, experts_split = layout.tp, layout.ep * layout.etp
-    a = attention_params(s)
-    h = s.hidden_size
-    attn = a["replicated"] + a["sharded"] / tp + 2 * h
-    dense_layer = attn + dense_ffn_params(s) / tp
-    moe_dense_part = attn + router_params(s) + shared_expert_params(s) / tp
-    moe_expert_part = s.num_routed_experts * expert_params(s) / experts_split
-    vocab = s.vocab_size * h / tp
+    b = block_parameters(s, layout.tp, layout.ep * layout.etp)
     out, first = [], 0
     for stage, n in enumerate(counts):
-        n_dense = max(0, min(first + n, s.first_k_dense) - first)
-        n_moe = n - n_dense
+        n_dense = int(dense_layers_in(s, first, n))
         first += n
-        dense = n_dense * dense_layer + n_moe * moe_dense_part
-        expert = n_moe * moe_expert_part
+        dense = n_dense * b["dense_layer"] + (n - n_dense) * b["moe_dense"]
+        expert = (n - n_dense) * b["moe_expert"]
         if stage == 0:
-            dense += vocab
+            dense += b["vocab"]
         if stage == layout.pp - 1:
             # a tied head on a separate last stage is a second copy, kept in sync by an all-reduce
-            dense += h + (vocab if not s.tie_embeddings or layout.pp > 1 else 0)
-            dense += s.mtp_depth * (3 * h + 2 * h * h / tp + moe_dense_part)
-            expert += s.mtp_depth * moe_expert_part
+            dense += b["final_norm"] + (b["vocab"] if not s.tie_embeddings or layout.pp > 1 else 0)
+            dense += s.mtp_depth * b["mtp_dense"]
+            expert += s.mtp_depth * b["mtp_expert"]
         out.append({"dense": dense, "expert": expert})
     return out
 

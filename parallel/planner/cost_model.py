@@ -1,0 +1,529 @@
+"""Analytical time and memory of one training step, vectorised over many candidate layouts at once.
+
+Every quantity is a NumPy array with one entry per layout, so the same code scores a million layouts in the
+search and one layout in `--evaluate`.
+
+Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per micro-batch on one device:
+- GEMMs by roofline: max(FLOPs / (peak * matmul_efficiency), bytes / (memory bandwidth * memory_efficiency));
+  backward = the data-gradient and weight-gradient GEMMs. Routed experts are one grouped GEMM over the local
+  experts, so few tokens per expert become weight-bandwidth bound.
+- Attention core: causal FLOPs at `attention_efficiency`; with flash attention the backward recomputes scores
+  (2.5x forward); without it the full S x S scores are computed and streamed through memory (CPU).
+- Memory-bound elementwise work (norms, residuals, SwiGLU, RoPE, routing, permutation) as bytes over bandwidth,
+  plus a per-operator launch overhead.
+- Tensor parallelism always with sequence parallelism: an all-gather and a reduce-scatter of the layer input around
+  attention and around each FFN, not overlapped. Replicated parts (MLA down-projections, router) run on all tokens.
+- Expert parallelism: dispatch and combine all-to-all, `flat` (one all-to-all over the EP group) or `hierarchical`
+  (all-gather across nodes among devices with the same local index, local filtering, all-to-all inside the node).
+  With `ep_overlap` the micro-batch runs as two chunks on two streams: time = max(C, A) + min(C, A) / 2 for
+  expert-block compute C and all-to-all A; otherwise C + A.
+- Pipeline: point-to-point send of the (sequence-parallel) hidden state per micro-batch and stage boundary.
+- Data parallelism (ZeRO-1): gradient reduce-scatter overlapped with the last micro-batch's backward, parameter
+  all-gather overlapped with the first micro-batch's forward; only the excess is exposed. Expert gradients reduce
+  over the expert-data-parallel group. Then the memory-bound Adam update of the local shard.
+Activation memory per micro-batch under recompute none / selective (norms, SwiGLU and, without flash attention, the
+attention scores are recomputed) / full (only the layer input is kept; the forward, including its communication,
+runs again in backward). The pipeline keeps `in_flight` micro-batches per stage (1F1B: p - s; interleaved:
+Megatron's warm-up count), which decides the peak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from parallel.planner.cluster import Cluster
+from parallel.planner.model_shape import (ModelShape, attention_params, block_parameters, dense_layers_in,
+                                          flops_per_token)
+
+RECOMPUTE = ("none", "selective", "full")
+EP_SCHEMES = ("flat", "hierarchical")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Precision:
+    matmul_dtype: str = "bf16"  # selects the cluster's peak FLOP/s for GEMMs and attention
+    activation_bytes: int = 2  # stored / communicated activations
+    param_bytes: int = 4  # MindFormers keeps params_dtype float32 and casts to the compute dtype
+    grad_bytes: int = 4
+    optimizer_bytes: int = 8  # Adam m and v; a 4-byte master copy is added where params are below fp32
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    cluster: Cluster
+    devices: int
+    seq_length: int
+    global_batch: int  # sequences per step
+    precision: Precision = Precision()
+    shard_optimizer: bool = True
+
+
+@dataclass
+class Layouts:
+    """Candidate layouts as a struct of arrays (one entry per layout). cp is 1; sp is on whenever tp > 1."""
+    tp: np.ndarray
+    pp: np.ndarray
+    vpp: np.ndarray
+    dp: np.ndarray
+    ep: np.ndarray
+    etp: np.ndarray
+    mbs: np.ndarray  # sequences per micro-batch
+    m: np.ndarray  # micro-batches per step
+    recompute: np.ndarray  # index into RECOMPUTE
+    ep_scheme: np.ndarray  # index into EP_SCHEMES
+    ep_overlap: np.ndarray  # 0/1
+
+    def __post_init__(self):
+        n = max(np.size(getattr(self, f.name)) for f in fields(self))
+        for f in fields(self):
+            setattr(self, f.name, np.broadcast_to(np.asarray(getattr(self, f.name), dtype=np.int64), (n,)).copy())
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def take(self, index) -> "Layouts":
+        return Layouts(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def row(self, i: int) -> dict:
+        out = {f.name: int(getattr(self, f.name)[i]) for f in fields(self)}
+        out["recompute"] = RECOMPUTE[out["recompute"]]
+        out["ep_scheme"] = EP_SCHEMES[out["ep_scheme"]]
+        out["ep_overlap"] = bool(out["ep_overlap"])
+        return out
+
+    @classmethod
+    def single(cls, tp=1, pp=1, vpp=1, dp=1, ep=1, etp=1, mbs=1, m=1, recompute="none", ep_scheme="flat",
+               ep_overlap=False) -> "Layouts":
+        return cls(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp, mbs=mbs, m=m,
+                   recompute=RECOMPUTE.index(recompute), ep_scheme=EP_SCHEMES.index(ep_scheme),
+                   ep_overlap=int(ep_overlap))
+
+
+@dataclass
+class BlockCost:
+    """One block kind for one micro-batch on one device; arrays over layouts, memory in bytes.
+    `recompute`, `recompute_comm` and `act` have a leading axis over RECOMPUTE modes."""
+    fwd_compute: np.ndarray
+    fwd_comm: np.ndarray  # exposed in-pass communication (TP, EP after chunk overlap)
+    bwd_compute: np.ndarray
+    bwd_comm: np.ndarray
+    recompute: np.ndarray  # extra backward compute per mode
+    recompute_comm: np.ndarray  # extra backward communication per mode
+    act: np.ndarray  # activation bytes kept until the backward, per mode
+    transient: np.ndarray  # bytes alive only while this block runs (one block at a time), per mode
+    dense_params: np.ndarray
+    expert_params: np.ndarray
+
+    def time(self, mode: int) -> np.ndarray:
+        """Forward + backward seconds of the block with recompute `mode`."""
+        return (self.fwd_compute + self.fwd_comm + self.bwd_compute + self.bwd_comm + self.recompute[mode]
+                + self.recompute_comm[mode])
+
+
+class _Costing:
+    """Shared arrays of one (workload, layouts) evaluation and the primitives built on them."""
+
+    def __init__(self, w: Workload, lay: Layouts):
+        self.w, self.s, self.c, self.lay = w, w.shape, w.cluster, lay
+        c, p = w.cluster, w.precision
+        f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731 - local shorthand
+        self.tp, self.ep, self.etp, self.dp = f(lay.tp), f(lay.ep), f(lay.etp), f(lay.dp)
+        self.T = f(lay.mbs) * w.seq_length  # tokens of one micro-batch (one data-parallel replica)
+        self.Tl = self.T / self.tp  # tokens a device owns under sequence parallelism
+        self.ab = float(p.activation_bytes)
+        self.flops = c.flops(p.matmul_dtype) * c.matmul_efficiency
+        self.attn_flops = c.flops(p.matmul_dtype) * c.attention_efficiency
+        self.mem_bw = c.memory_bandwidth * c.memory_efficiency
+        self.intra_bw = c.intra_bandwidth * c.network_efficiency
+        self.inter_bw = c.inter_bandwidth * c.network_efficiency
+        self.dpn = float(c.devices_per_node)
+
+    # ---- primitives ---------------------------------------------------------------------------------
+    def gemm(self, M, K, N, groups=1.0):
+        """(forward, backward) seconds of `groups` GEMMs [M,K]x[K,N] that each read their own weight."""
+        def one(m, k, n, out_bytes):
+            flops = 2.0 * m * k * n * groups
+            moved = groups * (self.ab * (m * k + k * n) + out_bytes * m * n)
+            return np.maximum(flops / self.flops, moved / self.mem_bw)
+        fwd = one(M, K, N, self.ab)
+        bwd = one(M, N, K, self.ab) + one(K, M, N, self.w.precision.grad_bytes)  # dgrad, wgrad
+        return fwd, bwd
+
+    def stream(self, nbytes):
+        return nbytes / self.mem_bw
+
+    def group_span(self, size, stride):
+        """(nodes spanned, members per node) of a group of `size` ranks `stride` apart in a contiguous block."""
+        nodes = np.maximum(1.0, np.ceil(size * stride / self.dpn))
+        return nodes, size / nodes
+
+    def all_gather(self, total_bytes, size, stride=1.0):
+        """Seconds of an all-gather (or reduce-scatter) whose gathered result is `total_bytes`; two phases
+        (across nodes among equal local indices, then inside the node) when the group spans nodes."""
+        nodes, local = self.group_span(size, stride)
+        c = self.c
+        t = ((nodes - 1) / size * total_bytes / self.inter_bw + (nodes - 1) * c.inter_latency
+             + (local - 1) / local * total_bytes / self.intra_bw + (local - 1) * c.intra_latency)
+        return np.where(size > 1, t, 0.0)
+
+    def all_to_all(self, send_bytes, size, stride=1.0):
+        """Seconds of a uniform all-to-all where each rank sends `send_bytes` spread over the group."""
+        nodes, local = self.group_span(size, stride)
+        cross = send_bytes * (size - local) / size
+        intra = send_bytes * (local - 1) / size
+        t = (np.maximum(cross / self.inter_bw, intra / self.intra_bw)
+             + np.where(nodes > 1, self.c.inter_latency, 0.0) + self.c.intra_latency)
+        return np.where(size > 1, t, 0.0)
+
+    def tp_pair(self):
+        """All-gather + reduce-scatter of the hidden state over tp (sequence parallelism), one direction."""
+        return 2 * self.all_gather(self.T * self.s.hidden_size * self.ab, self.tp)
+
+    def ops(self, n):
+        return n * self.c.op_overhead
+
+    # ---- blocks -------------------------------------------------------------------------------------
+    def attention(self):
+        """(fwd, bwd, fwd elementwise, act per mode, transient) of an MLA block incl. its input norm."""
+        s, T, Tl, tp, ab = self.s, self.T, self.Tl, self.tp, self.ab
+        h, H = s.hidden_size, s.num_heads
+        qk, vd = s.qk_head_dim, s.v_head_dim
+        fwd = bwd = 0.0
+        proj = [(T, s.kv_lora_rank, H * (s.qk_nope_head_dim + vd) / tp), (T, H * vd / tp, h),
+                (T, h, s.kv_lora_rank + s.qk_rope_head_dim)]
+        proj += ([(T, h, s.q_lora_rank), (T, s.q_lora_rank, H * qk / tp)] if s.q_lora_rank else [(T, h, H * qk / tp)])
+        for M, K, N in proj:
+            f, b = self.gemm(M, K, N)
+            fwd, bwd = fwd + f, bwd + b
+        seqs, S, heads = T / self.w.seq_length, float(self.w.seq_length), H / tp
+        latent = s.q_lora_rank + s.kv_lora_rank
+        if self.c.flash_attention:
+            core = seqs * heads * 2 * S * S * (qk + vd) / 2 / self.attn_flops
+            fwd, bwd = fwd + core, bwd + 2.5 * core
+            scores_kept = T * heads * FP32  # log-sum-exp
+        else:  # the full score matrix is computed, masked and soft-maxed in fp32
+            core = seqs * heads * 2 * S * S * (qk + vd) / self.attn_flops
+            elems = seqs * heads * S * S
+            score_bytes = 6 * elems * FP32
+            fwd, bwd = fwd + core + self.stream(score_bytes), bwd + 2 * core + self.stream(2 * score_bytes)
+            scores_kept = elems * FP32
+        elementwise = self.stream(ab * (Tl * 7 * h + T * (3 * latent + 4 * heads * qk + 2 * heads * s.qk_rope_head_dim)))
+        fwd, bwd = fwd + elementwise + self.ops(25), bwd + 2 * elementwise + self.ops(50)
+        keep_sel = ab * (Tl * h + T * (2 * (s.kv_lora_rank + s.qk_rope_head_dim) + s.q_lora_rank
+                                       + heads * (2 * qk + 2 * vd)))
+        norms_dropped = ab * (Tl * h + T * latent)
+        if self.c.flash_attention:  # scores are recomputed by the kernel anyway; only the log-sum-exp is kept
+            keep_sel, full, recompute_sel = keep_sel + scores_kept, keep_sel + scores_kept + norms_dropped, elementwise
+        else:
+            full = keep_sel + norms_dropped + scores_kept
+            recompute_sel = elementwise + core + self.stream(score_bytes)
+        return fwd, bwd, recompute_sel, full, keep_sel, elementwise
+
+    def swiglu_ffn(self, tokens, inter_per_device):
+        """(fwd, bwd, elementwise, act full, act selective) of a SwiGLU FFN on `tokens` rows."""
+        h, ab = self.s.hidden_size, self.ab
+        f1, b1 = self.gemm(tokens, h, 2 * inter_per_device)
+        f2, b2 = self.gemm(tokens, inter_per_device, h)
+        elementwise = self.stream(ab * tokens * 3 * inter_per_device)
+        act_sel = ab * tokens * (h + 2 * inter_per_device)  # fc1 input and output; SwiGLU output recomputed
+        return f1 + f2 + elementwise, b1 + b2 + 2 * elementwise, elementwise, act_sel + ab * tokens * inter_per_device, act_sel
+
+    def ep_dispatch(self):
+        """One-way seconds of the EP dispatch (the combine costs the same) and of the etp gather."""
+        s, h, ab = self.s, self.s.hidden_size, self.ab
+        send = self.Tl * s.top_k * h * ab
+        flat = self.all_to_all(send, self.ep, self.etp)
+        nodes, local = self.group_span(self.ep, self.etp)
+        # across nodes only among devices with the same local index (one per node), then inside the node
+        hier = self.all_gather(nodes * self.Tl * h * ab, nodes, self.dpn) + self.all_to_all(send, local, self.etp)
+        hier = np.where(nodes > 1, hier, flat)
+        a2a = np.where(self.lay.ep_scheme == 1, hier, flat)
+        etp_gather = self.all_gather(self.Tl * s.top_k * self.etp * h * ab, self.etp)
+        return a2a + etp_gather
+
+    def dense_layer(self) -> BlockCost:
+        s = self.s
+        af, ab_, a_rsel, a_full, a_sel, a_elem = self.attention()
+        ff, fb, f_elem, f_full, f_sel = self.swiglu_ffn(self.T, s.dense_intermediate / self.tp)
+        norm = self.stream(self.ab * self.Tl * 4 * s.hidden_size)
+        comm = 2 * self.tp_pair()
+        fwd = af + ff + norm + self.ops(12)
+        bwd = ab_ + fb + 2 * norm + self.ops(24)
+        act_none = a_full + f_full + self.ab * self.Tl * s.hidden_size
+        act_sel = a_sel + f_sel
+        return self._block(fwd, comm, bwd, comm, a_rsel + f_elem + norm, fwd, comm,
+                           act_none, act_sel, self.ab * self.T * s.dense_intermediate / self.tp, "dense_layer")
+
+    def moe_layer(self) -> BlockCost:
+        s, h, ab, Tl = self.s, self.s.hidden_size, self.ab, self.Tl
+        af, ab_, a_rsel, a_full, a_sel, a_elem = self.attention()
+        E, k = s.num_routed_experts, s.top_k
+        local_experts = E / self.ep
+        pairs = Tl * k * self.etp  # token-expert rows this device computes (each expert split etp ways)
+        rows = pairs / local_experts
+        inter = s.moe_intermediate / self.etp
+        e1f, e1b = self.gemm(rows, h, 2 * inter, local_experts)
+        e2f, e2b = self.gemm(rows, inter, h, local_experts)
+        e_elem = self.stream(ab * pairs * 3 * inter)
+        sf, sb, s_elem, s_full, s_sel = self.swiglu_ffn(self.T, s.num_shared_experts * s.shared_intermediate / self.tp)
+        rf, rb = self.gemm(Tl, h, E)
+        routing = self.stream(FP32 * Tl * 6 * E + ab * Tl * k * h * 5 + ab * Tl * 4 * h)
+        expert_fwd = e1f + e2f + e_elem + sf + rf + routing + self.ops(30)
+        expert_bwd = e1b + e2b + 2 * e_elem + sb + rb + 2 * routing + self.ops(60)
+        a2a = 2 * self.ep_dispatch()  # dispatch + combine
+        overlap = self.lay.ep_overlap == 1
+        exposed_f = np.where(overlap, np.maximum(expert_fwd, a2a) + np.minimum(expert_fwd, a2a) / 2 - expert_fwd, a2a)
+        exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a) + np.minimum(expert_bwd, a2a) / 2 - expert_bwd, a2a)
+        tp_comm = 2 * self.tp_pair()  # around attention and around the shared expert
+        expert_acts = ab * pairs * (2 * h + 2 * inter) + FP32 * Tl * E + ab * Tl * h  # in, fc1 out, out; probs
+        act_sel = a_sel + s_sel + expert_acts
+        act_none = a_full + s_full + expert_acts + ab * pairs * inter + ab * Tl * h
+        transient = ab * (pairs * 2 * inter + self.T * 3 * s.shared_intermediate * s.num_shared_experts / self.tp)
+        return self._block(af + expert_fwd, tp_comm + exposed_f, ab_ + expert_bwd, tp_comm + exposed_b,
+                           a_rsel + e_elem + s_elem + routing, af + expert_fwd, tp_comm + exposed_f,
+                           act_none, act_sel, transient, "moe")
+
+    def _block(self, fwd, fwd_comm, bwd, bwd_comm, sel_extra, full_extra, full_comm, act_none, act_sel,
+               transient, params_kind) -> BlockCost:
+        n = len(self.lay)
+        z = np.zeros(n)
+        full_act = self.ab * self.Tl * self.s.hidden_size
+        b = block_parameters(self.s, self.tp, self.ep * self.etp)
+        if params_kind == "moe":
+            dense, expert = b["moe_dense"], b["moe_expert"]
+        else:
+            dense, expert = b["dense_layer"], z
+        bc = lambda x: np.broadcast_to(np.asarray(x, dtype=np.float64), (n,))  # noqa: E731
+        return BlockCost(
+            fwd_compute=bc(fwd), fwd_comm=bc(fwd_comm), bwd_compute=bc(bwd), bwd_comm=bc(bwd_comm),
+            recompute=np.stack([z, bc(sel_extra), bc(full_extra)]), recompute_comm=np.stack([z, z, bc(full_comm)]),
+            act=np.stack([bc(act_none), bc(act_sel), bc(full_act)]),
+            # a fully recomputed layer rebuilds all its activations for its own backward
+            transient=np.stack([bc(transient), bc(transient), bc(transient) + bc(act_none)]),
+            dense_params=bc(dense) + z, expert_params=bc(expert) + z)
+
+    def embedding(self) -> BlockCost:
+        n = len(self.lay)
+        z = np.zeros(n)
+        t = self.stream(self.ab * self.T * self.s.hidden_size * 2) + self.ops(3)
+        vocab = block_parameters(self.s, self.tp, 1)["vocab"]
+        zz = np.zeros((3, n))
+        return BlockCost(t + z, z, 2 * t + z, z, zz, zz, zz, zz, z + vocab, z)
+
+    def head(self) -> BlockCost:
+        """Final norm, output projection (vocabulary split by tp) and fp32 cross-entropy."""
+        s, T = self.s, self.T
+        n = len(self.lay)
+        z = np.zeros(n)
+        V = s.vocab_size / self.tp
+        f, b = self.gemm(T, s.hidden_size, V)
+        loss = self.stream(FP32 * T * V * 4)
+        fwd = f + loss + self.stream(self.ab * self.Tl * 4 * s.hidden_size) + self.ops(10)
+        bwd = b + loss + self.ops(12)
+        comm = self.all_gather(T * s.hidden_size * self.ab, self.tp) + self.all_gather(T * FP32 * 2, self.tp)
+        zz = np.zeros((3, n))
+        params = block_parameters(s, self.tp, 1)
+        dense = params["vocab"] + params["final_norm"]
+        logits = np.broadcast_to(FP32 * T * V * 2, (3, n))  # fp32 logits and their gradient
+        return BlockCost(fwd + z, comm + z, bwd + z, comm + z, zz, zz, zz, logits, z + dense, z)
+
+    def mtp(self) -> BlockCost:
+        """One MTP depth: two norms, eh_proj, an MoE layer, its final norm and the shared head + loss."""
+        layer, head = self.moe_layer(), self.head()
+        h = self.s.hidden_size
+        pf, pb = self.gemm(self.T, 2 * h, h / self.tp)
+        b = block_parameters(self.s, self.tp, self.ep * self.etp)
+        out = BlockCost(**{f.name: getattr(layer, f.name).copy() for f in fields(BlockCost)})
+        out.fwd_compute = layer.fwd_compute + pf + head.fwd_compute
+        out.fwd_comm = layer.fwd_comm + head.fwd_comm + self.tp_pair() / 2
+        out.bwd_compute = layer.bwd_compute + pb + head.bwd_compute
+        out.bwd_comm = layer.bwd_comm + head.bwd_comm + self.tp_pair() / 2
+        out.transient = np.maximum(layer.transient, head.transient)
+        out.dense_params = np.full_like(layer.dense_params, b["mtp_dense"])
+        out.expert_params = np.broadcast_to(b["mtp_expert"], layer.expert_params.shape).astype(np.float64)
+        return out
+
+
+@dataclass
+class BlockCosts:
+    dense: BlockCost
+    moe: BlockCost
+    embedding: BlockCost
+    head: BlockCost
+    mtp: BlockCost
+
+
+def block_costs(w: Workload, lay: Layouts) -> BlockCosts:
+    c = _Costing(w, lay)
+    head = c.head()
+    if w.shape.tie_embeddings:  # one shared matrix; on a separate last stage a synchronised copy
+        head.dense_params = np.where(lay.pp > 1, head.dense_params, head.dense_params - block_parameters(
+            w.shape, c.tp, 1)["vocab"])
+    return BlockCosts(dense=c.dense_layer(), moe=c.moe_layer(), embedding=c.embedding(), head=head, mtp=c.mtp())
+
+
+def p2p_time(w: Workload, lay: Layouts) -> np.ndarray:
+    """Seconds to send one micro-batch's hidden state (sequence-parallel shard) to the next stage."""
+    c = w.cluster
+    nbytes = lay.mbs * w.seq_length * w.shape.hidden_size * w.precision.activation_bytes / lay.tp
+    inside = lay.dp * lay.tp * lay.pp <= c.devices_per_node
+    bw = np.where(inside, c.intra_bandwidth, c.inter_bandwidth) * c.network_efficiency
+    lat = np.where(inside, c.intra_latency, c.inter_latency)
+    return np.where(lay.pp > 1, nbytes / bw + lat, 0.0)
+
+
+def in_flight(lay: Layouts, stage) -> np.ndarray:
+    """Micro-batches whose activations a stage holds at its peak (chunks / vpp for interleaved 1F1B)."""
+    p, v, m = lay.pp, lay.vpp, lay.m
+    one_f_one_b = np.minimum(m, p - stage)
+    chunks = np.minimum(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    return np.where(v > 1, chunks / v, one_f_one_b).astype(np.float64)
+
+
+@dataclass
+class StagePlan:
+    """What one pipeline stage holds (arrays over layouts): layer counts per recompute mode, the embedding, and
+    whether it is the last stage (head, loss and MTP, the MTP layer with recompute mode `mtp_mode`)."""
+    stage: np.ndarray
+    dense_by_mode: np.ndarray  # [3, N] dense layers per recompute mode
+    moe_by_mode: np.ndarray  # [3, N]
+    embedding: np.ndarray  # 0/1
+    last: np.ndarray  # 0/1
+    mtp_mode: np.ndarray  # recompute mode of the MTP layer
+
+
+def _pick(per_mode: np.ndarray, mode: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(per_mode, np.broadcast_to(mode, per_mode.shape[1:])[None], 0)[0]
+
+
+def stage_parts(w: Workload, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarray]:
+    """Seconds of one micro-batch through the stage, split into compute and exposed in-pass communication
+    (TP, EP), forward and backward (backward includes recompute)."""
+    d = w.shape.mtp_depth
+    mtp_extra = _pick(b.mtp.recompute, st.mtp_mode)
+    mtp_extra_comm = _pick(b.mtp.recompute_comm, st.mtp_mode)
+    out = {"fwd_compute": st.embedding * b.embedding.fwd_compute + st.last * (b.head.fwd_compute + d * b.mtp.fwd_compute),
+           "fwd_comm": st.last * (b.head.fwd_comm + d * b.mtp.fwd_comm),
+           "bwd_compute": (st.embedding * b.embedding.bwd_compute
+                           + st.last * (b.head.bwd_compute + d * (b.mtp.bwd_compute + mtp_extra))),
+           "bwd_comm": st.last * (b.head.bwd_comm + d * (b.mtp.bwd_comm + mtp_extra_comm))}
+    for mode in range(3):
+        for blk, count in ((b.dense, st.dense_by_mode[mode]), (b.moe, st.moe_by_mode[mode])):
+            out["fwd_compute"] = out["fwd_compute"] + count * blk.fwd_compute
+            out["fwd_comm"] = out["fwd_comm"] + count * blk.fwd_comm
+            out["bwd_compute"] = out["bwd_compute"] + count * (blk.bwd_compute + blk.recompute[mode])
+            out["bwd_comm"] = out["bwd_comm"] + count * (blk.bwd_comm + blk.recompute_comm[mode])
+    return out
+
+
+def stage_time(w: Workload, b: BlockCosts, st: StagePlan) -> tuple[np.ndarray, np.ndarray]:
+    """(forward seconds, backward seconds incl. recompute) of one micro-batch through the stage."""
+    p = stage_parts(w, b, st)
+    return p["fwd_compute"] + p["fwd_comm"], p["bwd_compute"] + p["bwd_comm"]
+
+
+def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarray]:
+    """Bytes per device of the stage: weights, gradients, optimizer states, activations at the peak (those
+    kept for in-flight micro-batches plus the largest transient of one block)."""
+    p, d = w.precision, w.shape.mtp_depth
+    dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
+    expert = st.last * d * b.mtp.expert_params
+    act = st.last * d * _pick(b.mtp.act, st.mtp_mode)
+    transient = st.last * np.maximum(b.head.transient[0], d * _pick(b.mtp.transient, st.mtp_mode))
+    for mode in range(3):
+        nd, ne = st.dense_by_mode[mode], st.moe_by_mode[mode]
+        dense = dense + nd * b.dense.dense_params + ne * b.moe.dense_params
+        expert = expert + ne * b.moe.expert_params
+        act = act + nd * b.dense.act[mode] + ne * b.moe.act[mode]
+        transient = np.maximum(transient, np.where(nd > 0, b.dense.transient[mode], 0.0))
+        transient = np.maximum(transient, np.where(ne > 0, b.moe.transient[mode], 0.0))
+    opt_bytes = p.optimizer_bytes + (4 if p.param_bytes < 4 else 0)
+    shards_dense = lay.dp if w.shard_optimizer else 1
+    shards_expert = lay.dp * lay.tp // (lay.ep * lay.etp) if w.shard_optimizer else 1
+    params = dense + expert
+    out = {"weights": params * p.param_bytes, "grads": params * p.grad_bytes,
+           "optimizer": opt_bytes * (dense / shards_dense + expert / shards_expert),
+           "activation_per_microbatch": act, "activations": act * in_flight(lay, st.stage), "transient": transient,
+           "dense_params": dense, "expert_params": expert}
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"] + transient
+    return out
+
+
+def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
+    """Exposed data-parallel communication plus the optimizer update of one stage, after the pipeline drains;
+    `fwd` / `bwd` are the stage's per-micro-batch times that the reduce-scatter / all-gather hide behind."""
+    p, c = w.precision, _Costing(w, lay)
+    edp = (lay.dp * lay.tp) / (lay.ep * lay.etp)
+    dense, expert = mem["dense_params"], mem["expert_params"]
+    rs = c.all_gather(dense * p.grad_bytes, c.dp, c.tp) + c.all_gather(expert * p.grad_bytes, edp, lay.ep * lay.etp)
+    ag = c.all_gather(dense * p.param_bytes, c.dp, c.tp) + c.all_gather(expert * p.param_bytes, edp, lay.ep * lay.etp)
+    exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd)
+    master = 4 if p.param_bytes < 4 else 0
+    per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * master + p.param_bytes
+    shards_d = c.dp if w.shard_optimizer else 1.0
+    shards_e = edp if w.shard_optimizer else 1.0
+    return exposed + c.stream(per_param * (dense / shards_d + expert / shards_e))
+
+
+def even_stage(w: Workload, lay: Layouts, stage) -> StagePlan:
+    """The stage's share of an even layer split (remainder to the middle stages), uniform recompute."""
+    L, pp = w.shape.num_layers, lay.pp
+    stage = np.clip(np.asarray(stage), 0, pp - 1)
+    base, extra = L // pp, L % pp
+    start = (pp - extra) // 2
+    count = base + ((stage >= start) & (stage < start + extra))
+    first = stage * base + np.clip(stage - start, 0, extra)
+    dense = dense_layers_in(w.shape, first, count)
+    moe = count - dense
+    onehot = (np.arange(3)[:, None] == lay.recompute[None]).astype(np.float64)
+    return StagePlan(stage=stage, dense_by_mode=onehot * dense, moe_by_mode=onehot * moe,
+                     embedding=(stage == 0).astype(np.float64), last=(stage == pp - 1).astype(np.float64),
+                     mtp_mode=lay.recompute)
+
+
+def step_time(m, v, pp, stage_fb_max, stage_fb_sum, p2p):
+    """Analytic (interleaved) 1F1B step: (m - 1/v) * slowest period + total stage work / v + fill/drain sends.
+    Exact for uniform stages without communication: (m + (p-1)/v) * (F+B)."""
+    period = stage_fb_max + 2 * p2p
+    return (m - 1.0 / v) * period + stage_fb_sum / v + 2 * (pp - 1) * p2p
+
+
+def evaluate(w: Workload, lay: Layouts) -> dict[str, np.ndarray]:
+    """Score layouts under an even layer split: step time, throughput, MFU, peak memory, bubble."""
+    b = block_costs(w, lay)
+    pp = lay.pp
+    base, extra = w.shape.num_layers // pp, w.shape.num_layers % pp
+    start = (pp - extra) // 2
+    reps = [np.zeros_like(pp), np.ones_like(pp), start, start + extra - 1, pp - 2, pp - 1]
+    times, mems, updates = [], [], []
+    for r in reps:
+        st = even_stage(w, lay, r)
+        f, bw = stage_time(w, b, st)
+        mem = stage_memory(w, lay, b, st)
+        times.append(f + bw)
+        mems.append(mem["total"])
+        updates.append(update_time(w, lay, mem, f, bw))
+    fb_max = np.max(times, axis=0)
+    # the sum over all stages is the whole model's work, independent of the split
+    onehot = (np.arange(3)[:, None] == lay.recompute[None]).astype(np.float64)
+    all_stages = StagePlan(stage=np.zeros_like(pp), dense_by_mode=onehot * w.shape.first_k_dense,
+                           moe_by_mode=onehot * w.shape.num_moe_layers, embedding=np.ones(len(lay)),
+                           last=np.ones(len(lay)), mtp_mode=lay.recompute)
+    f_all, b_all = stage_time(w, b, all_stages)
+    p2p = p2p_time(w, lay)
+    pipe = step_time(lay.m, lay.vpp, pp, fb_max, f_all + b_all, p2p)
+    total = pipe + np.max(updates, axis=0)
+    return summarise(w, lay, total, pipe, fb_max, np.max(mems, axis=0))
+
+
+def summarise(w: Workload, lay: Layouts, total, pipe, fb_max, memory) -> dict[str, np.ndarray]:
+    tokens = w.global_batch * w.seq_length
+    tps = tokens / total / w.devices
+    model_flops = flops_per_token(w.shape, w.seq_length)["training"]
+    return {"step_time": total, "tokens_per_s_per_device": tps,
+            "mfu": tps * model_flops / w.cluster.flops(w.precision.matmul_dtype),
+            "memory": memory, "fits": memory <= w.cluster.usable_memory,
+            "bubble": 1.0 - lay.m * fb_max / pipe}

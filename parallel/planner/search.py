@@ -1,0 +1,96 @@
+"""Enumerate the layout space as NumPy arrays, prune what cannot exist, score the rest in one vectorised pass.
+
+Dimensions: tp, pp, vpp, ep, etp, micro-batch size, recompute, EP scheme, EP overlap; dp follows from the device
+count and the number of micro-batches from the global batch. A layout is dropped before scoring when it cannot
+exist (divisibility, micro-batch counts, heads, experts) or is a duplicate (an EP scheme or overlap without EP,
+a hierarchical scheme inside one node).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Workload, evaluate
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    tp: tuple[int, ...] = (1, 2, 4, 8, 16)
+    vpp: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    etp: tuple[int, ...] = (1, 2, 4, 8)
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    recompute: tuple[str, ...] = RECOMPUTE
+    ep_scheme: tuple[str, ...] = EP_SCHEMES
+    ep_overlap: tuple[bool, ...] = (False, True)
+    pp: tuple[int, ...] | None = None  # None: every divisor of the device count
+    ep: tuple[int, ...] | None = None  # None: every divisor of the routed-expert count
+
+
+def divisors(n: int) -> np.ndarray:
+    small = np.arange(1, int(np.sqrt(n)) + 1)
+    small = small[n % small == 0]
+    return np.unique(np.concatenate([small, n // small]))
+
+
+def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[Layouts, int]:
+    """(all valid, distinct layouts; size of the raw product before pruning)."""
+    s, n = w.shape, w.devices
+    pp_values = np.array(space.pp) if space.pp else divisors(n)
+    ep_values = np.array(space.ep) if space.ep else divisors(s.num_routed_experts)
+    axes = [np.array(space.tp), pp_values, np.array(space.vpp), ep_values, np.array(space.etp),
+            np.array(space.mbs), np.array([RECOMPUTE.index(r) for r in space.recompute]),
+            np.array([EP_SCHEMES.index(e) for e in space.ep_scheme]), np.array([int(o) for o in space.ep_overlap])]
+    grids = np.meshgrid(*axes, indexing="ij", sparse=False)
+    tp, pp, vpp, ep, etp, mbs, rc, scheme, overlap = (g.ravel() for g in grids)
+    raw = tp.size
+    ok = (n % (tp * pp) == 0) & (tp <= w.cluster.devices_per_node) & (s.num_heads % tp == 0)
+    dp = np.where(ok, n // np.maximum(tp * pp, 1), 1)
+    ok &= (dp * tp) % (ep * etp) == 0
+    ok &= (etp <= tp) & (ep * etp <= dp * tp)
+    seqs_per_replica = w.global_batch / dp
+    m = seqs_per_replica / mbs
+    ok &= (w.global_batch % dp == 0) & (m == np.floor(m))
+    m = np.floor(m).astype(np.int64)
+    ok &= (pp == 1) | (m >= pp)
+    ok &= (vpp == 1) | ((pp > 1) & (m % pp == 0))
+    ok &= s.num_layers >= pp * vpp  # every chunk holds at least one layer
+    # duplicates: EP options that change nothing
+    ok &= (ep > 1) | ((scheme == 0) & (overlap == 0))
+    ok &= (scheme == 0) | (ep * etp > w.cluster.devices_per_node)
+    keep = np.flatnonzero(ok)
+    lay = Layouts(tp=tp[keep], pp=pp[keep], vpp=vpp[keep], dp=dp[keep], ep=ep[keep], etp=etp[keep],
+                  mbs=mbs[keep], m=m[keep], recompute=rc[keep], ep_scheme=scheme[keep], ep_overlap=overlap[keep])
+    return lay, raw
+
+
+@dataclass
+class SearchResult:
+    layouts: Layouts
+    scores: dict[str, np.ndarray]
+    raw_size: int
+    seconds: float
+
+    @property
+    def scored(self) -> int:
+        return len(self.layouts)
+
+    def ranked(self, feasible_only: bool = True) -> np.ndarray:
+        """Indices by predicted step time, fitting layouts only unless asked otherwise."""
+        order = np.argsort(self.scores["step_time"], kind="stable")
+        return order[self.scores["fits"][order]] if feasible_only else order
+
+
+def search(w: Workload, space: SearchSpace = SearchSpace(), chunk: int = 262_144, progress=None) -> SearchResult:
+    """Score every valid layout (in chunks, to bound memory); `progress(done, total)` is called per chunk."""
+    t0 = time.perf_counter()
+    lay, raw = enumerate_layouts(w, space)
+    parts: list[dict[str, np.ndarray]] = []
+    for start in range(0, len(lay), chunk):
+        parts.append(evaluate(w, lay.take(slice(start, start + chunk))))
+        if progress:
+            progress(min(start + chunk, len(lay)), len(lay))
+    keys = parts[0].keys() if parts else ("step_time", "tokens_per_s_per_device", "mfu", "memory", "fits", "bubble")
+    scores = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in keys}
+    return SearchResult(lay, scores, raw, time.perf_counter() - t0)
