@@ -3,6 +3,10 @@
 Epoch e visits the samples in a permutation drawn from (seed, e); global batch k of that epoch is
 perm[k*G:(k+1)*G] (the incomplete last batch is dropped) and DP rank r takes the r-th of dp_size equal, contiguous
 shares. The position is (epoch, index of the next global batch): restoring it continues with exactly that batch.
+
+With attention balancing on, every rank computes the same assignment of the global batch to (rank, micro-batch)
+slots (`balance_global_batch`, pure and seeded by (seed, epoch, index)) and takes its share; micro-batch m of a
+rank is rows m*mbs:(m+1)*mbs of its share, so the trainer splits the local batch into consecutive micro-batches.
 """
 from __future__ import annotations
 
@@ -10,8 +14,14 @@ from typing import Iterator
 
 import numpy as np
 
+from data_sched.attention_balance import MODES, balance_global_batch
+from data_sched.attention_cost import CostModel
 from data_sched.errors import DataError
 from data_sched.packing import PackedSamples, doc_lens_to_segment_ids
+
+# With fixed-length samples the token and sample terms are equal in every slot, so balancing needs only the
+# attention term; a calibrated model changes the predicted times, not the assignment.
+ATTENTION_ONLY = CostModel(a=1.0, b=0.0, c=0.0, source="attention term only")
 
 COLUMNS = ("input_ids", "labels", "segment_ids")
 
@@ -34,12 +44,18 @@ class BatchLoader:
     """This DP rank's share of each global batch: {input_ids, labels, segment_ids}, int32 [G/dp, seq_length]."""
 
     def __init__(self, samples: PackedSamples, global_batch_size: int, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1):
+                 dp_size: int = 1, micro_batch_num: int = 1, attention_balance: str = "off",
+                 cost_model: CostModel | None = None):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise DataError(f"parallel_config.data_parallel: rank {dp_rank} is not in [0, {dp_size})")
         if global_batch_size < 1 or global_batch_size % dp_size:
             raise DataError(f"global_batch_size: expected a positive multiple of data_parallel={dp_size}, "
                             f"got {global_batch_size}")
+        if attention_balance not in MODES:
+            raise DataError(f"data.attention_balance: expected one of {', '.join(MODES)}, got {attention_balance!r}")
+        if micro_batch_num < 1 or global_batch_size % (dp_size * micro_batch_num):
+            raise DataError(f"global_batch_size: expected a multiple of data_parallel x micro_batch_num = "
+                            f"{dp_size} x {micro_batch_num}, got {global_batch_size}")
         if len(samples) < global_batch_size:
             raise DataError(f"corpus too small: {len(samples)} packed samples of seq_length={samples.seq_length}"
                             f" cannot fill one global batch of {global_batch_size}")
@@ -48,6 +64,9 @@ class BatchLoader:
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.micro_batch_num = micro_batch_num
+        self.attention_balance = attention_balance
+        self.cost_model = cost_model or ATTENTION_ONLY
         self.local_batch_size = global_batch_size // dp_size
         self.batches_per_epoch = len(samples) // global_batch_size
         self.epoch = 0
@@ -66,13 +85,29 @@ class BatchLoader:
         g = self.global_batch_size
         return self._permutation(epoch)[index * g:(index + 1) * g]
 
+    def assignment_at(self, epoch: int, index: int):
+        """The balanced layout of a global batch (None when balancing is off); the same on every rank."""
+        if self.attention_balance == "off":
+            return None
+        rows = self.global_batch_indices(epoch, index)
+        return balance_global_batch([self.samples.sample_doc_lens(i) for i in rows], self.attention_balance,
+                                    self.dp_size, self.micro_batch_num, self.cost_model,
+                                    seed=int(np.random.default_rng([self.seed, epoch, index]).integers(2**31)))
+
     def batch_at(self, epoch: int, index: int) -> dict[str, np.ndarray]:
         rows = self.global_batch_indices(epoch, index)
-        rows = rows[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
-        tokens = self.samples.tokens[rows]
+        lo, hi = self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
         seq = self.samples.seq_length
-        segments = np.stack([doc_lens_to_segment_ids(self.samples.sample_doc_lens(i), seq) for i in rows])
-        return {"input_ids": np.ascontiguousarray(tokens[:, :-1]), "labels": np.ascontiguousarray(tokens[:, 1:]),
+        plan = self.assignment_at(epoch, index)
+        if plan is None:
+            tokens = self.samples.tokens[rows[lo:hi]]
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            lens = [self.samples.sample_doc_lens(i) for i in rows[lo:hi]]
+        else:
+            inputs, labels = plan.apply(self.samples.tokens[rows], lo, hi)
+            lens = [plan.doc_lens(j) for j in range(lo, hi)]
+        segments = np.stack([doc_lens_to_segment_ids(x, seq) for x in lens])
+        return {"input_ids": np.ascontiguousarray(inputs), "labels": np.ascontiguousarray(labels),
                 "segment_ids": segments}
 
     def advance(self, num_batches: int = 1) -> None:

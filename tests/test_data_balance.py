@@ -1,0 +1,208 @@
+"""Attention-aware balancing: exact permutation / re-packing of the global batch, determinism, quality, cost fit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from data_sched.attention_balance import (balance_global_batch, balanced_partition, lower_bounds,
+                                          partition_bound, _lpt)
+from data_sched.attention_cost import CostModel, fit_attention_cost
+from data_sched.errors import DataError
+from data_sched.loader import BatchLoader
+from data_sched.packing import pack_documents
+
+COST = CostModel(a=1.0, b=300.0, c=1000.0)
+
+
+def _packed(doc_lengths, seq):
+    docs = [np.full(int(n), 7, dtype=np.int32) for n in doc_lengths]
+    return pack_documents(docs, seq, eod_id=2)
+
+
+def _unique_tokens(g, seq):
+    """Every position of every sample holds a different value, so a moved token is identifiable."""
+    return np.arange(g * (seq + 1), dtype=np.int64).reshape(g, seq + 1)
+
+
+def _pairs(inputs, labels):
+    return sorted(zip(inputs.ravel().tolist(), labels.ravel().tolist()))
+
+
+@st.composite
+def global_batches(draw):
+    seq = draw(st.integers(4, 64))
+    dp = draw(st.sampled_from([1, 2, 4]))
+    mb = draw(st.sampled_from([1, 2, 3]))
+    mbs = draw(st.sampled_from([1, 2, 3]))
+    g = dp * mb * mbs
+    # Long-tailed lengths: mostly short documents, some longer than a sample.
+    lengths = draw(st.lists(st.one_of(st.integers(1, 8), st.integers(1, 3 * seq)), min_size=1, max_size=60))
+    lens = (lengths * (1 + (g * seq) // max(1, sum(lengths) + len(lengths))))
+    packed = _packed(lens, seq)
+    if len(packed) < g:
+        packed = _packed(lens * (1 + g // max(1, len(packed))), seq)
+    doc_lens = packed.doc_lens_list()[:g]
+    return doc_lens, dp, mb, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=global_batches())
+def test_reorder_is_an_exact_permutation_and_deterministic(batch):
+    doc_lens, dp, mb, seed = batch
+    g, seq = len(doc_lens), int(doc_lens[0].sum())
+    plan = balance_global_batch(doc_lens, "reorder", dp, mb, COST, seed)
+    order = plan.source_order()
+    assert sorted(order.tolist()) == list(range(g))
+    for j, src in enumerate(order):
+        assert np.array_equal(plan.doc_lens(j), doc_lens[src])
+    tokens = _unique_tokens(g, seq)
+    inputs, labels = plan.apply(tokens)
+    assert np.array_equal(inputs, tokens[order, :-1]) and np.array_equal(labels, tokens[order, 1:])
+    again = balance_global_batch(doc_lens, "reorder", dp, mb, COST, seed)
+    assert np.array_equal(again.segments, plan.segments)
+    assert np.isclose(plan.slot_costs_after.sum(), plan.slot_costs_before.sum())
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=global_batches())
+def test_repack_keeps_every_input_label_pair_exactly_once(batch):
+    doc_lens, dp, mb, seed = batch
+    g, seq = len(doc_lens), int(doc_lens[0].sum())
+    plan = balance_global_batch(doc_lens, "repack", dp, mb, COST, seed)
+    tokens = _unique_tokens(g, seq)
+    inputs, labels = plan.apply(tokens)
+    assert _pairs(inputs, labels) == _pairs(tokens[:, :-1], tokens[:, 1:])
+    # Each output piece lies inside one source document piece: no new cross-document context is created.
+    for src, start, length in plan.segments.tolist():
+        ends = np.cumsum(doc_lens[src])
+        piece = int(np.searchsorted(ends, start, side="right"))
+        assert length > 0 and start + length <= ends[piece]
+    for j in range(g):
+        assert plan.doc_lens(j).sum() == seq
+    assert np.array_equal(balance_global_batch(doc_lens, "repack", dp, mb, COST, seed).segments, plan.segments)
+    assert plan.slot_costs_after.max() <= balance_global_batch(
+        doc_lens, "reorder", dp, mb, COST, seed).slot_costs_after.max() * (1 + 1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(costs=st.lists(st.floats(0.0, 1e6), min_size=1, max_size=96), parts=st.integers(1, 12))
+def test_balanced_partition_is_exact_and_never_worse_than_greedy(costs, parts):
+    costs = np.array(costs)[: len(costs) // parts * parts]
+    if len(costs) == 0:
+        return
+    members = balanced_partition(costs, parts)
+    assert members.shape == (parts, len(costs) // parts)
+    assert sorted(members.ravel().tolist()) == list(range(len(costs)))
+    worst = costs[members].sum(axis=1).max()
+    assert worst >= partition_bound(costs, parts) * (1 - 1e-12)
+    if len(costs) > parts > 1:
+        assert worst <= costs[_lpt(costs, parts)].sum(axis=1).max() * (1 + 1e-12)
+
+
+def test_balanced_partition_reaches_the_bound_on_long_tails():
+    rng = np.random.default_rng(0)
+    for costs in (rng.lognormal(0, 1.5, 1024), rng.pareto(1.5, 1024) + 1):
+        for parts in (8, 64, 128, 512):
+            worst = costs[balanced_partition(costs, parts)].sum(axis=1).max()
+            assert worst <= partition_bound(costs, parts) * 1.02
+
+
+def test_off_keeps_the_order_and_balancing_lowers_the_worst_slot():
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(rng.lognormal(5.0, 1.5, 6000).astype(int) + 1, 4000)
+    doc_lens = _packed(lengths, 1024).doc_lens_list()[:256]
+    off = balance_global_batch(doc_lens, "off", 8, 4, COST, 0)
+    assert off.source_order().tolist() == list(range(256))
+    bounds = lower_bounds(doc_lens, 8, 4, COST)
+    for mode in ("reorder", "repack"):
+        plan = balance_global_batch(doc_lens, mode, 8, 4, COST, 0)
+        assert plan.slot_costs_after.max() <= bounds[mode] * 1.02 < off.slot_costs_before.max()
+    with pytest.raises(ValueError, match="attention_balance"):
+        balance_global_batch(doc_lens, "sorted", 8, 4, COST, 0)
+    with pytest.raises(ValueError, match="micro_batch_num=5"):
+        balance_global_batch(doc_lens, "reorder", 8, 5, COST, 0)
+
+
+def test_seed_only_moves_groups_between_ranks():
+    rng = np.random.default_rng(2)
+    doc_lens = _packed(rng.integers(1, 700, 3000), 512).doc_lens_list()[:64]
+    a = balance_global_batch(doc_lens, "reorder", 4, 4, COST, seed=1)
+    b = balance_global_batch(doc_lens, "reorder", 4, 4, COST, seed=2)
+    assert np.allclose(np.sort(a.slot_costs_after), np.sort(b.slot_costs_after))
+    assert not np.array_equal(a.source_order(), b.source_order())
+
+
+# ---- the loader with balancing on -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["reorder", "repack"])
+def test_loader_ranks_together_hold_exactly_the_global_batch(mode):
+    rng = np.random.default_rng(3)
+    docs = [np.arange(n, dtype=np.int32) + 10 for n in np.minimum(rng.lognormal(3, 1.2, 3000).astype(int) + 1, 300)]
+    packed = pack_documents(docs, 64, eod_id=2)
+    ranks = [BatchLoader(packed, 16, seed=5, dp_rank=r, dp_size=4, micro_batch_num=2, attention_balance=mode)
+             for r in range(4)]
+    off = BatchLoader(packed, 16, seed=5)
+    for index in (0, 3):
+        got = [r.batch_at(1, index) for r in ranks]
+        want = off.batch_at(1, index)
+        inputs = np.concatenate([b["input_ids"] for b in got])
+        labels = np.concatenate([b["labels"] for b in got])
+        assert sorted(map(tuple, np.stack([inputs.ravel(), labels.ravel()], 1).tolist())) == \
+            sorted(map(tuple, np.stack([want["input_ids"].ravel(), want["labels"].ravel()], 1).tolist()))
+        if mode == "reorder":
+            assert sorted(map(bytes, inputs)) == sorted(map(bytes, want["input_ids"]))
+        for b in got:
+            assert b["segment_ids"].shape == b["input_ids"].shape and b["segment_ids"].dtype == np.int32
+
+
+def test_loader_rejects_unknown_mode_and_uneven_micro_batches():
+    packed = _packed([50] * 200, 16)
+    with pytest.raises(DataError, match="attention_balance"):
+        BatchLoader(packed, 8, seed=0, attention_balance="on")
+    with pytest.raises(DataError, match="micro_batch_num"):
+        BatchLoader(packed, 8, seed=0, dp_size=2, micro_batch_num=3)
+
+
+# ---- cost model ---------------------------------------------------------------------------------------------------
+
+def test_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(4)
+    doc_lens = []
+    for seq in (256, 512, 1024, 2048):
+        for _ in range(12):
+            cuts = np.sort(rng.choice(np.arange(1, seq), rng.integers(0, 8), replace=False))
+            doc_lens.append(np.diff(np.concatenate([[0], cuts, [seq]])))
+    true = CostModel(a=2e-7, b=3e-4, c=5e-3)
+    times = true.sample_costs(doc_lens) * (1 + 0.01 * rng.standard_normal(len(doc_lens)))
+    fit = fit_attention_cost(doc_lens, times, source="synthetic")
+    assert fit.r2 > 0.99
+    assert abs(fit.a / true.a - 1) < 0.1 and abs(fit.b / true.b - 1) < 0.1
+    with pytest.raises(ValueError, match="vary both"):
+        fit_attention_cost([np.array([8])] * 5, np.ones(5))
+
+
+def test_cost_model_file_round_trip_and_bad_files(tmp_path):
+    model = CostModel(a=1.5e-9, b=2e-6, c=1e-3, r2=0.98, num_points=40, source="test")
+    path = tmp_path / "cost.json"
+    model.save(str(path))
+    assert CostModel.load(str(path)) == model
+    bad = tmp_path / "bad.json"
+    for content, expected in (("{not json", "expected a JSON"), ('{"a": -1, "b": 1}', "field 'a'"),
+                              ("[1, 2]", "expected a JSON object")):
+        bad.write_text(content)
+        with pytest.raises(DataError) as e:
+            CostModel.load(str(bad))
+        assert expected in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DataError, match="not found"):
+        CostModel.load(str(tmp_path / "absent.json"))
+
+
+def test_flops_model_splits_attention_from_the_rest():
+    per_token = lambda length: 1e9 + 5e4 * length  # noqa: E731 - b = 1e9 per token, a = 5e4 per l^2
+    model = CostModel.from_flops_per_token(per_token, 4096)
+    assert np.isclose(model.a, 5e4) and np.isclose(model.b, 1e9)
