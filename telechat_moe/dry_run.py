@@ -1,0 +1,64 @@
+"""What a recipe costs before anything is allocated: parameters, FLOPs per token, memory per device."""
+from __future__ import annotations
+
+from parallel.planner.model_shape import flops_per_token, parameter_breakdown, training_memory
+from telechat_moe.recipe import Recipe
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+GIB = 2 ** 30
+
+
+def static_memory(r: Recipe) -> dict:
+    """Weights, gradients and AdamW states per device on the heaviest pipeline stage, in the recipe's dtypes.
+
+    Gradients are accumulated in the parameter dtype; Adam's two moments are float32 (8 bytes per parameter),
+    plus a float32 master copy where parameters are stored below float32.
+    """
+    param_bytes = DTYPE_BYTES[r.model.params_dtype]
+    return training_memory(r.model.to_model_shape(), r.layout, param_bytes, param_bytes, 8,
+                           r.parallel_config.optimizer_shard)
+
+
+def report(r: Recipe) -> str:
+    shape = r.model.to_model_shape()
+    params = parameter_breakdown(shape)
+    flops = flops_per_token(shape)
+    mem = static_memory(r)
+    lines = [f"recipe {r.name}: layout {r.layout.describe()}", "parameters:"]
+    for key in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "mtp",
+                "head"):
+        lines.append(f"  {key:<16}{params[key] / 1e9:>12.3f} B")
+    lines += [f"  {'total':<16}{params['total'] / 1e9:>12.3f} B   (without MTP {params['total_without_mtp'] / 1e9:.3f} B)",
+              f"  {'active':<16}{params['active'] / 1e9:>12.3f} B   (without MTP {params['active_without_mtp'] / 1e9:.3f} B)",
+              f"training FLOPs per token at seq {r.model.seq_length}: {flops['training'] / 1e9:.2f} GFLOP "
+              f"(without MTP {flops['training_without_mtp'] / 1e9:.2f})",
+              f"memory per device (heaviest stage {mem['stage']}, params {r.model.params_dtype}, "
+              f"optimizer sharded: {r.parallel_config.optimizer_shard}):",
+              f"  weights    {mem['weights'] / GIB:10.2f} GiB",
+              f"  gradients  {mem['grads'] / GIB:10.2f} GiB",
+              f"  optimizer  {mem['optimizer'] / GIB:10.2f} GiB",
+              f"  total      {mem['total'] / GIB:10.2f} GiB (activations come on top)"]
+    return "\n".join(lines)
+
+
+def fit_problem(r: Recipe, machine_bytes: float, has_ascend: bool) -> str | None:
+    """A one-line reason why the recipe cannot train on this machine, or None."""
+    per_device = static_memory(r)["total"]
+    if r.context.device_target == "Ascend":
+        if not has_ascend:
+            return (f"recipe {r.name} targets Ascend ({r.layout.world_size} devices, {per_device / GIB:.1f} GiB each "
+                    f"for weights, gradients and optimizer states) but this machine has no Ascend device; run with "
+                    f"--dry-run to see the plan")
+        limit = r.context.max_device_memory_gb * GIB
+        if limit and per_device > limit:
+            return (f"recipe {r.name} needs at least {per_device / GIB:.1f} GiB per device for weights, gradients "
+                    f"and optimizer states, above context.max_device_memory_gb={r.context.max_device_memory_gb}; "
+                    f"run with --dry-run to see the plan")
+        return None
+    # On CPU every rank of the layout runs on this one machine.
+    need = per_device * r.layout.world_size
+    if need > machine_bytes:
+        return (f"recipe {r.name} needs at least {need / GIB:.1f} GiB for weights, gradients and optimizer states "
+                f"over {r.layout.world_size} CPU process(es), but this machine has {machine_bytes / GIB:.1f} GiB; "
+                f"run with --dry-run to see the plan")
+    return None

@@ -1,0 +1,101 @@
+"""Progress reporting: a console line per log step, metrics.jsonl, TensorBoard scalars and expert-load histograms.
+
+Only rank 0 writes. Nothing here synchronises with the device beyond the scalars the step already returned, so
+logging does not slow the training loop.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+class StepLogger:
+    def __init__(self, log_dir: Path, enabled: bool, total_steps: int, tokens_per_step: int, flops_per_token: float,
+                 peak_flops: float, devices: int):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.devices = devices
+        self.writer = None
+        self.jsonl = None
+        self.step_times: list[float] = []
+        if enabled:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            from tensorboardX import SummaryWriter
+            self.writer = SummaryWriter(str(log_dir / "tensorboard"))
+            self.jsonl = open(log_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def step_time(self, seconds: float) -> None:
+        self.step_times.append(seconds)
+
+    def _steady_step_time(self) -> float:
+        # The first step compiles the graph; it says nothing about throughput.
+        times = self.step_times[1:] or self.step_times
+        recent = times[-20:]
+        return float(np.mean(recent)) if recent else float("nan")
+
+    def log(self, step: int, values: dict, expert_load: np.ndarray | None = None, console: bool = True) -> dict:
+        dt = self._steady_step_time()
+        tokens_per_s = self.tokens_per_step / dt
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.devices)
+        record = {"step": step, **{k: float(v) for k, v in values.items()}, "tokens_per_s": tokens_per_s,
+                  "mfu": mfu, "step_time_s": dt}
+        if not self.enabled:
+            return record
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for k, v in record.items():
+            if k != "step":
+                self.writer.add_scalar(f"train/{k}", v, step)
+        if expert_load is not None:
+            for layer, load in enumerate(expert_load):
+                # One histogram sample per routed token copy, valued by the expert it went to.
+                counts = np.asarray(load, dtype=np.int64)
+                self.writer.add_histogram(f"expert_load/moe_layer_{layer}", np.repeat(np.arange(len(counts)), counts),
+                                          step, bins=np.arange(len(counts) + 1) - 0.5)
+        if console:
+            eta = format_eta(dt * (self.total_steps - step))
+            parts = " ".join(f"{k} {v:.4f}" for k, v in values.items() if k != "lr")
+            print(f"step {step:6d}/{self.total_steps} | {parts} | lr {values.get('lr', 0):.2e} | "
+                  f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {eta}", flush=True)
+        return record
+
+    def log_eval(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "eval_lm_loss": loss}) + "\n")
+        self.jsonl.flush()
+        self.writer.add_scalar("eval/lm_loss", loss, step)
+        print(f"step {step:6d}/{self.total_steps} | held-out lm_loss {loss:.4f} | ppl {np.exp(loss):.2f}", flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.jsonl.close()
+
+
+def info(message: str, enabled: bool = True) -> None:
+    if enabled:
+        print(message, file=sys.stdout, flush=True)
+
+
+class Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,348 @@
+"""Recipes: YAML files with `base:` inheritance and `--set a.b=c` overrides, validated into dataclasses.
+
+Every error is a `RecipeError` whose message is one line naming the key; the entry point turns it into exit code 2.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import yaml
+
+from parallel.layout import LayoutError, ParallelLayout
+from telechat_moe.config import ModelConfig
+
+# Names users bring from other frameworks, pointed at ours.
+ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "num_experts": "n_routed_experts",
+           "n_experts": "n_routed_experts", "num_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+           "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
+           "max_steps": "train_steps", "batch_size": "global_batch_size"}
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the key or file and what was expected."""
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel: int = 1
+    model_parallel: int = 1
+    pipeline_stage: int = 1
+    pp_interleave_num: int = 1
+    expert_parallel: int = 1
+    expert_model_parallel: int = 1
+    context_parallel: int = 1
+    micro_batch_num: int = 1
+    use_seq_parallel: bool = False
+    devices_per_node: int = 8
+    optimizer_shard: bool = True        # MindFormers' enable_parallel_optimizer (ZeRO-1)
+    vocab_emb_dp: bool = False
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(dp=self.data_parallel, tp=self.model_parallel, pp=self.pipeline_stage,
+                              vpp=self.pp_interleave_num, ep=self.expert_parallel, etp=self.expert_model_parallel,
+                              cp=self.context_parallel, sp=self.use_seq_parallel,
+                              micro_batch_num=self.micro_batch_num, devices_per_node=self.devices_per_node)
+
+
+@dataclass
+class RecomputeConfig:
+    recompute: bool = False
+    select_recompute: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = "AdamW"
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    type: str = "cosine"                 # cosine | constant
+    warmup_steps: int = 0
+    decay_steps: int = 0                 # 0: decay over train_steps
+
+
+@dataclass
+class TrainingConfig:
+    train_steps: int = 100
+    global_batch_size: int = 8           # sequences per optimizer step, over all data-parallel ranks
+    log_interval: int = 10
+    save_interval: int = 0               # 0: only at the end
+    eval_interval: int = 0               # 0: only at the end
+    eval_batches: int = 4
+    keep_checkpoints: int = 3
+    loss_scale: str = "auto"             # auto (dynamic for float16, off otherwise) | dynamic | none | a number
+    loss_scale_window: int = 1000
+
+
+@dataclass
+class DataConfig:
+    paths: list = field(default_factory=list)   # JSONL ({"text": ...} per line) or .txt; empty: embedded corpus
+    tokenizer: str = ""                          # a sentencepiece .model; empty: train one on the corpus
+    eval_fraction: float = 0.02
+    attention_balance: str = "off"               # off | reorder | repack
+    attention_cost: str = ""                     # calibration file of the attention cost model
+
+
+@dataclass
+class ContextConfig:
+    mode: int = 0                         # 0 graph, 1 pynative (MindSpore's numbering)
+    device_target: str = "CPU"
+    jit_level: str = "O0"
+    enable_graph_kernel: bool = False
+    max_device_memory_gb: float = 0.0     # 0: this machine's memory (CPU) / unknown
+    peak_tflops: float = 0.0              # for MFU; 0: measured fp32 GEMM FLOP/s of this machine
+
+
+@dataclass
+class Recipe:
+    name: str = ""
+    seed: int = 1234
+    output_dir: str = "output"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute_config: RecomputeConfig = field(default_factory=RecomputeConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.parallel_config.layout()
+
+    def to_dict(self) -> dict:
+        def plain(obj):
+            if is_dataclass(obj):
+                return {f.name: plain(getattr(obj, f.name)) for f in fields(obj)}
+            return obj
+        return plain(self)
+
+
+# ---- loading ------------------------------------------------------------------------------------------
+def find_recipe(path: str) -> Path:
+    """`1t.yaml`, `1t` and `recipes/1t.yaml` all name the same file."""
+    candidates = [Path(path), RECIPE_DIR / path, RECIPE_DIR / f"{path}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise RecipeError(f"--recipe: no recipe file {path!r} (looked in . and {RECIPE_DIR})")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _resolve(path: Path, seen: tuple = ()) -> dict:
+    if path.resolve() in seen:
+        raise RecipeError(f"{path}: base: chain loops back to itself")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise RecipeError(f"{path}: base: expected a recipe file name, got {base!r}")
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise RecipeError(f"{path}: base: no such recipe {base!r} next to it")
+    return deep_merge(_resolve(base_path, seen + (path.resolve(),)), data)
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """`a.b.c=value`, value parsed as YAML (so 2, 1e-3, true, [1,2] keep their types)."""
+    if "=" not in assignment:
+        raise RecipeError(f"--set {assignment!r}: expected key.path=value")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {key}: {p} is not a section")
+    node[parts[-1]] = parsed
+
+
+def _coerce(value, tp, key: str):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise RecipeError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise RecipeError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise RecipeError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise RecipeError(f"{key}: expected a string, got {value!r}")
+    if tp is list:
+        if isinstance(value, list):
+            return value
+        raise RecipeError(f"{key}: expected a list, got {value!r}")
+    return value
+
+
+def _build(cls, raw, prefix: str):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{prefix or 'recipe'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = [ALIASES[key]] if ALIASES.get(key) in names else \
+                difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise RecipeError(f"{full}: unknown key{hint}")
+        tp = hints[key]
+        kwargs[key] = _build(tp, value, f"{full}.") if is_dataclass(tp) else _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
+    file = find_recipe(path)
+    raw = _resolve(file)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    raw.setdefault("name", file.stem)
+    recipe = _build(Recipe, raw, "")
+    validate(recipe)
+    return recipe
+
+
+# ---- consistency ----------------------------------------------------------------------------------------
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise RecipeError(message)
+
+
+def validate(r: Recipe, world_size: int | None = None) -> None:
+    m, p, t = r.model, r.parallel_config, r.training
+    for key in ("vocab_size", "seq_length", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                "num_experts_per_tok", "moe_intermediate_size"):
+        _require(getattr(m, key) >= 1, f"model.{key}: expected a positive integer, got {getattr(m, key)}")
+    for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
+        _require(getattr(m, key) >= 0, f"model.{key}: expected 0 or more, got {getattr(m, key)}")
+    _require(m.num_experts_per_tok <= m.n_routed_experts,
+             f"model.num_experts_per_tok: top-{m.num_experts_per_tok} needs at least that many experts "
+             f"(n_routed_experts={m.n_routed_experts})")
+    _require(m.first_k_dense_replace <= m.num_hidden_layers,
+             f"model.first_k_dense_replace: {m.first_k_dense_replace} exceeds num_hidden_layers={m.num_hidden_layers}")
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim: RoPE needs an even size, got {m.qk_rope_head_dim}")
+    _require(m.first_k_dense_replace == 0 or m.intermediate_size >= 1,
+             "model.intermediate_size: dense layers need a positive FFN size")
+    _require(m.scoring_func in ("sigmoid", "softmax"),
+             f"model.scoring_func: expected sigmoid or softmax, got {m.scoring_func!r}")
+    for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype", "layernorm_compute_dtype",
+                "router_dense_type"):
+        _require(getattr(m, key) in ("float32", "float16", "bfloat16"),
+                 f"model.{key}: expected float32, float16 or bfloat16, got {getattr(m, key)!r}")
+    if m.n_group:
+        _require(m.n_routed_experts % m.n_group == 0,
+                 f"model.n_group: {m.n_group} groups must divide n_routed_experts={m.n_routed_experts}")
+        _require(1 <= m.topk_group <= m.n_group, f"model.topk_group: expected 1..n_group={m.n_group}, got {m.topk_group}")
+        _require(m.topk_group * (m.n_routed_experts // m.n_group) >= m.num_experts_per_tok,
+                 "model.topk_group: the chosen groups hold fewer experts than num_experts_per_tok")
+    _require(m.max_position_embeddings >= m.seq_length or m.yarn_enabled,
+             f"model.seq_length: {m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings} "
+             f"without YaRN (rotary_scaling_factor > 1)")
+    _require(m.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {m.mtp_loss_factor}")
+
+    try:
+        layout = p.layout().validate(world_size)
+    except LayoutError as e:
+        raise RecipeError(str(e)) from None
+    _require(m.n_routed_experts % (p.expert_parallel * p.expert_model_parallel) == 0 or
+             p.expert_model_parallel > 1 and m.n_routed_experts % p.expert_parallel == 0,
+             f"parallel_config.expert_parallel: {m.n_routed_experts} experts cannot be split evenly over "
+             f"expert_parallel={p.expert_parallel}")
+    _require(m.num_attention_heads % p.model_parallel == 0,
+             f"parallel_config.model_parallel: {m.num_attention_heads} attention heads are not divisible by "
+             f"model_parallel={p.model_parallel}")
+    _require(m.seq_length % (p.model_parallel if p.use_seq_parallel else 1) == 0,
+             f"model.seq_length: {m.seq_length} not divisible by model_parallel={p.model_parallel} for sequence "
+             f"parallelism")
+    _require(m.num_hidden_layers >= p.pipeline_stage * p.pp_interleave_num,
+             f"parallel_config.pipeline_stage: {p.pipeline_stage} stages x {p.pp_interleave_num} chunks need at "
+             f"least that many layers, the model has {m.num_hidden_layers}")
+    _require(t.global_batch_size % (layout.dp * p.micro_batch_num) == 0,
+             f"training.global_batch_size: {t.global_batch_size} is not divisible by data_parallel*micro_batch_num "
+             f"= {layout.dp * p.micro_batch_num}")
+    _require(t.train_steps >= 1, f"training.train_steps: expected at least 1, got {t.train_steps}")
+    for key in ("log_interval", "save_interval", "eval_interval", "keep_checkpoints", "eval_batches"):
+        _require(getattr(t, key) >= 0, f"training.{key}: expected 0 or more, got {getattr(t, key)}")
+    _require(t.loss_scale in ("auto", "dynamic", "none") or _is_number(t.loss_scale),
+             f"training.loss_scale: expected auto, dynamic, none or a number, got {t.loss_scale!r}")
+    o = r.optimizer
+    _require(o.type in ("AdamW",), f"optimizer.type: expected AdamW, got {o.type!r}")
+    _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
+             f"optimizer.betas: expected two numbers in [0, 1), got {o.betas!r}")
+    _require(o.learning_rate > 0, f"optimizer.learning_rate: expected > 0, got {o.learning_rate}")
+    _require(0 <= o.min_lr <= o.learning_rate,
+             f"optimizer.min_lr: expected between 0 and learning_rate={o.learning_rate}, got {o.min_lr}")
+    _require(r.lr_schedule.type in ("cosine", "constant"),
+             f"lr_schedule.type: expected cosine or constant, got {r.lr_schedule.type!r}")
+    _require(r.lr_schedule.warmup_steps >= 0, "lr_schedule.warmup_steps: expected 0 or more")
+    d = r.data
+    _require(d.attention_balance in ("off", "reorder", "repack"),
+             f"data.attention_balance: expected off, reorder or repack, got {d.attention_balance!r}")
+    _require(0 <= d.eval_fraction < 0.5, f"data.eval_fraction: expected in [0, 0.5), got {d.eval_fraction}")
+    _require(all(isinstance(x, str) for x in d.paths), f"data.paths: expected a list of file paths, got {d.paths!r}")
+    _require(r.context.device_target in ("CPU", "Ascend"),
+             f"context.device_target: expected CPU or Ascend, got {r.context.device_target!r}")
+    _require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")
+    _require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
+             "model.compute_dtype: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False

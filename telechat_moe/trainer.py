@@ -1,0 +1,342 @@
+"""The training loop: wires recipe -> data -> model -> optimizer -> checkpoints and logs. It implements none of them.
+
+One optimizer step: the rank's share of the global batch is split into `micro_batch_num` micro-batches whose
+gradients are summed (graph-mode forward+backward per micro-batch), then scaled, all-reduced over data-parallel
+ranks, clipped and applied. The router's expert bias is then moved by its own rule from the summed expert load,
+identically on every rank, never by the gradient.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import mindspore as ms
+import yaml
+from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
+
+from data_sched.loader import BatchLoader
+from data_sched.prepare import prepare_data
+from telechat_moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from telechat_moe.metrics import StepLogger, Timer, info
+from telechat_moe.model import TeleChatMoE
+from telechat_moe.moe.router import expert_bias_delta
+from telechat_moe.optim import build_adamw, lr_at, set_lr
+from telechat_moe.recipe import Recipe
+
+
+# ---- graph-mode cells ---------------------------------------------------------------------------------
+class ForwardBackward(nn.Cell):
+    """Losses, expert load and the gradients of (total loss x loss scale) for one micro-batch."""
+
+    def __init__(self, model: TeleChatMoE, weights: ParameterTuple):
+        super().__init__(auto_prefix=False)
+        self.model = model
+        self.weights = weights
+        self.grad_fn = ms.value_and_grad(self.scaled_loss, None, self.weights, has_aux=True)
+
+    def scaled_loss(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale):
+        total, lm, mtp, aux, z, loads = self.model(input_ids, labels, loss_mask, segment_ids, position_ids)
+        return total * scale, total, lm, mtp, aux, z, loads
+
+    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale):
+        (_, total, lm, mtp, aux, z, loads), grads = self.grad_fn(input_ids, labels, loss_mask, segment_ids,
+                                                                 position_ids, scale)
+        return total, lm, mtp, aux, z, loads, grads
+
+
+class AddGradients(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.map = ops.HyperMap()
+
+    def construct(self, a, b):
+        return self.map(ops.add, a, b)
+
+
+class PrepareGradients(nn.Cell):
+    """Unscale, average over data-parallel ranks, measure the global norm and clip."""
+
+    def __init__(self, weights: ParameterTuple, dp: int, clip: float):
+        super().__init__(auto_prefix=False)
+        self.map = ops.HyperMap()
+        self.reducer = nn.DistributedGradReducer(weights, mean=True, degree=dp) if dp > 1 else None
+        self.clip = clip
+
+    def construct(self, grads, grad_scale):
+        grads = self.map(ops.partial(ops.mul, grad_scale), grads)
+        if self.reducer is not None:
+            grads = self.reducer(grads)
+        norm = ops.sqrt(ops.addn(self.map(lambda_sum_squares, grads)))
+        finite = ops.isfinite(norm)
+        if self.clip > 0:
+            factor = self.clip / ops.maximum(norm, self.clip)
+            grads = self.map(ops.partial(ops.mul, factor), grads)
+        return grads, norm, finite
+
+
+def lambda_sum_squares(g):
+    return ops.sum(ops.square(g.astype(ms.float32)))
+
+
+class ApplyUpdate(nn.Cell):
+    def __init__(self, optimizer: nn.Optimizer):
+        super().__init__(auto_prefix=False)
+        self.optimizer = optimizer
+
+    def construct(self, grads):
+        return self.optimizer(grads)
+
+
+class SumOverRanks(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x):
+        return self.all_reduce(x)
+
+
+class Evaluate(nn.Cell):
+    def __init__(self, model: TeleChatMoE):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids):
+        return self.model(input_ids, labels, loss_mask, segment_ids, position_ids)[1]
+
+
+# ---- loss scaling ---------------------------------------------------------------------------------------
+@dataclass
+class LossScaler:
+    """Static or dynamic loss scale for float16; `scale == 1, dynamic == False` is no scaling."""
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    good_steps: int = 0
+
+    @classmethod
+    def from_recipe(cls, r: Recipe) -> "LossScaler":
+        setting = r.training.loss_scale
+        if setting == "auto":
+            setting = "dynamic" if r.model.compute_dtype == "float16" else "none"
+        if setting == "none":
+            return cls()
+        if setting == "dynamic":
+            return cls(scale=2.0 ** 16, dynamic=True, window=r.training.loss_scale_window)
+        return cls(scale=float(setting))
+
+    def update(self, finite: bool) -> None:
+        if not self.dynamic:
+            return
+        if not finite:
+            self.scale, self.good_steps = max(1.0, self.scale / 2), 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+
+# ---- the trainer ----------------------------------------------------------------------------------------
+def configure_mindspore(r: Recipe) -> None:
+    ms.set_context(mode=r.context.mode, jit_config={"jit_level": r.context.jit_level})
+    ms.set_device(r.context.device_target)
+    if r.context.enable_graph_kernel:
+        ms.set_context(enable_graph_kernel=True)
+
+
+def expert_biases(model: TeleChatMoE) -> list:
+    """The routers' expert biases in the order of the model's expert-load output (MoE layers, then MTP)."""
+    layers = [layer for layer in model.layers if layer.is_moe] + [block.block for block in model.mtp]
+    return [layer.mlp.gate.expert_bias for layer in layers]
+
+
+def position_ids(batch: int, seq: int) -> np.ndarray:
+    return np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, rank: int = 0, world: int = 1, peak_flops: float | None = None):
+        self.r, self.rank, self.world = recipe, rank, world
+        self.out = Path(recipe.output_dir)
+        self.main = rank == 0
+        cfg, t, p = recipe.model, recipe.training, recipe.parallel_config
+        ms.set_seed(recipe.seed)
+        np.random.seed(recipe.seed)
+
+        info(f"[data] preparing corpus and tokenizer (seq_length {cfg.seq_length})", self.main)
+        with Timer() as tm:
+            self.data = self._prepare_data()
+        info(f"[data] {len(self.data.train)} training samples, "
+             f"{len(self.data.held_out) if self.data.held_out else 0} held-out, vocab "
+             f"{self.data.tokenizer.vocab_size} ({tm.seconds:.1f}s)", self.main)
+
+        self.model = TeleChatMoE(cfg, recipe.context.device_target)
+        o = recipe.optimizer
+        self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
+        # Gradients must come in the optimizer's order, which groups decayed parameters first.
+        self.weights = self.optimizer.parameters
+        self.forward_backward = ForwardBackward(self.model, self.weights)
+        self.add = AddGradients()
+        self.prepare = PrepareGradients(self.weights, p.data_parallel, o.grad_clip)
+        self.update = ApplyUpdate(self.optimizer)
+        self.sum_over_ranks = SumOverRanks() if p.data_parallel > 1 else None
+        self.evaluate = Evaluate(self.model)
+        self.biases = expert_biases(self.model)
+        self.scaler = LossScaler.from_recipe(recipe)
+        self.micro = p.micro_batch_num
+        self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, rank, p.data_parallel)
+        self.step = 0
+
+        shape = cfg.to_model_shape()
+        from parallel.planner.model_shape import flops_per_token
+        if peak_flops is None:
+            from parallel.planner.calibrate import gemm_flops
+            peak_flops = recipe.context.peak_tflops * 1e12 or gemm_flops()
+        self.peak_flops = peak_flops
+        self.logger = StepLogger(self.out / "logs", self.main, t.train_steps, t.global_batch_size * cfg.seq_length,
+                                 flops_per_token(shape)["training"], peak_flops, world)
+        if self.main:
+            (self.out / "logs").mkdir(parents=True, exist_ok=True)
+            (self.out / "logs" / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        n_params = sum(w.size for w in self.weights)
+        info(f"[model] {n_params:,} trainable parameters; layout {recipe.layout.describe()}; "
+             f"peak {peak_flops / 1e9:.1f} GFLOP/s per device for MFU", self.main)
+
+    # -- data --
+    def _prepare_data(self):
+        cfg, d = self.r.model, self.r.data
+        tokenizer_file = self.out / "tokenizer.model"
+        if d.tokenizer:
+            return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, tokenizer_path=d.tokenizer)
+        if tokenizer_file.is_file():
+            return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction,
+                                tokenizer_path=str(tokenizer_file))
+        # Every rank trains the same deterministic tokenizer in its own folder, then publishes it atomically.
+        prefix = self.out / f".tokenizer_rank{self.rank}" / "spm"
+        data = prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, vocab_size=cfg.vocab_size,
+                            tokenizer_out=str(prefix))
+        os.replace(f"{prefix}.model", tokenizer_file)
+        for leftover in prefix.parent.iterdir():
+            leftover.unlink()
+        prefix.parent.rmdir()
+        return data
+
+    def _tensors(self, batch: dict, rows: slice) -> tuple:
+        ids = batch["input_ids"][rows]
+        b, s = ids.shape
+        return (Tensor(ids), Tensor(batch["labels"][rows]), Tensor(np.ones((b, s), np.float32)),
+                Tensor(batch["segment_ids"][rows]), Tensor(position_ids(b, s)))
+
+    # -- checkpoints --
+    def _all_params(self) -> list:
+        seen, out = set(), []
+        for p in list(self.model.get_parameters()) + list(self.optimizer.get_parameters()):
+            if p.name not in seen:
+                seen.add(p.name)
+                out.append(p)
+        return out
+
+    def save(self) -> None:
+        state = {"step": self.step, "data": self.loader.state_dict(), "loss_scale": self.scaler.scale,
+                 "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed,
+                 "numpy_rng": np.random.get_state()[1].tolist()[:4], "recipe": self.r.name}
+        path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, self._all_params(), state,
+                               self.r.training.keep_checkpoints)
+        info(f"[ckpt] saved {path}", self.main)
+
+    def resume(self) -> bool:
+        path = latest_checkpoint(self.out / "checkpoints", self.rank)
+        if path is None:
+            info("[ckpt] --resume: no checkpoint found, starting from step 0", self.main)
+            return False
+        state = load_checkpoint(path, self._all_params())
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["data"])
+        self.scaler.scale = float(state["loss_scale"])
+        self.scaler.good_steps = int(state["loss_scale_good_steps"])
+        info(f"[ckpt] resumed from {path} at step {self.step}", self.main)
+        return True
+
+    # -- steps --
+    def train_step(self, batch: dict) -> tuple[dict, np.ndarray]:
+        local = batch["input_ids"].shape[0]
+        mb = local // self.micro
+        scale = Tensor(self.scaler.scale, ms.float32)
+        sums, grads, loads = np.zeros(5), None, None
+        for i in range(self.micro):
+            *losses, load, g = self.forward_backward(*self._tensors(batch, slice(i * mb, (i + 1) * mb)), scale)
+            sums += [float(x.asnumpy()) for x in losses]
+            loads = load.asnumpy() if loads is None else loads + load.asnumpy()
+            grads = g if grads is None else self.add(grads, g)
+        grads, norm, finite = self.prepare(grads, Tensor(1.0 / (self.scaler.scale * self.micro), ms.float32))
+        finite = bool(finite.asnumpy())
+        if finite:
+            self.update(grads)
+        self.scaler.update(finite)
+        if self.sum_over_ranks is not None:
+            loads = self.sum_over_ranks(Tensor(loads)).asnumpy()
+        if self.r.model.moe_router_enable_expert_bias:
+            delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)
+            for bias, d in zip(self.biases, delta):
+                bias.set_data(Tensor(bias.asnumpy() + d))
+        total, lm, mtp, aux, z = sums / self.micro
+        values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy())}
+        if self.r.model.moe_z_loss_coeff:
+            values["z_loss"] = z
+        if self.scaler.dynamic:
+            values["loss_scale"] = self.scaler.scale
+        return values, loads
+
+    def held_out_loss(self) -> float | None:
+        held = self.data.held_out
+        if held is None or len(held) == 0:
+            return None
+        local = self.r.training.global_batch_size // self.r.parallel_config.data_parallel
+        loader = BatchLoader(held, min(len(held), local), self.r.seed)
+        n = min(self.r.training.eval_batches, loader.batches_per_epoch)
+        total = 0.0
+        for i in range(n):
+            total += float(self.evaluate(*self._tensors(loader.batch_at(0, i), slice(None))).asnumpy())
+        loss = total / n
+        if self.sum_over_ranks is not None:
+            loss = float(self.sum_over_ranks(Tensor(loss, ms.float32)).asnumpy()) / self.world
+        return loss
+
+    def fit(self) -> dict:
+        t = self.r.training
+        sched, o = self.r.lr_schedule, self.r.optimizer
+        decay = sched.decay_steps or t.train_steps
+        remaining = t.train_steps - self.step
+        info(f"[train] steps {self.step}..{t.train_steps}, global batch {t.global_batch_size} x "
+             f"{self.r.model.seq_length} tokens, {self.micro} micro-batch(es) per step", self.main)
+        last, eval_loss = {}, None
+        if remaining <= 0:
+            return {"step": self.step}
+        batches = self.loader.as_mindspore_dataset(remaining).create_dict_iterator(output_numpy=True, num_epochs=1)
+        for batch in batches:
+            lr = lr_at(self.step, o.learning_rate, o.min_lr, sched.warmup_steps, decay, sched.type)
+            set_lr(self.optimizer, lr)
+            start = time.perf_counter()
+            values, loads = self.train_step(batch)
+            self.logger.step_time(time.perf_counter() - start)
+            self.loader.advance(1)
+            self.step += 1
+            values["lr"] = lr
+            done = self.step == t.train_steps
+            if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
+                last = self.logger.log(self.step, values, loads)
+            if (t.eval_interval and self.step % t.eval_interval == 0) or done:
+                eval_loss = self.held_out_loss()
+                if eval_loss is not None:
+                    self.logger.log_eval(self.step, eval_loss)
+            if (t.save_interval and self.step % t.save_interval == 0) or done:
+                self.save()
+        self.logger.close()
+        summary = {**last, "eval_lm_loss": eval_loss}
+        if self.main:
+            (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
