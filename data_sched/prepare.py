@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_sched.default_corpus import default_corpus
+from data_sched.errors import DataError
 from data_sched.loader import split_holdout
 from data_sched.packing import PackedSamples, pack_documents
 from data_sched.sources import load_texts
@@ -18,14 +19,44 @@ class PreparedData:
     held_out: PackedSamples | None
 
 
+def _is_indexed(path: str) -> bool:
+    return path.endswith((".bin", ".idx"))
+
+
+def _prepare_indexed(paths: list[str], seq_length: int, seed: int, eval_fraction: float,
+                     tokenizer_path: str | None) -> PreparedData:
+    from data_sched.indexed_dataset import read_documents
+
+    if not tokenizer_path:
+        raise DataError(f"data.tokenizer: {paths[0]} holds token ids; name the tokenizer that produced them")
+    tokenizer = Tokenizer.load(tokenizer_path)
+    docs = []
+    for path in paths:
+        found = read_documents(path, eod_id=tokenizer.eod_id)
+        top = max((int(d.max()) for d in found if len(d)), default=0)
+        if top >= tokenizer.vocab_size:
+            raise DataError(f"{path}: token id {top} does not fit tokenizer {tokenizer_path} "
+                            f"(vocab_size {tokenizer.vocab_size})")
+        docs.extend(found)
+    train_docs, held_docs = split_holdout(docs, eval_fraction, seed)
+    held = pack_documents(held_docs, seq_length, tokenizer.eod_id) if held_docs else None
+    return PreparedData(tokenizer, pack_documents(train_docs, seq_length, tokenizer.eod_id), held)
+
+
 def prepare_data(paths: list[str] | None, seq_length: int, seed: int, eval_fraction: float,
                  tokenizer_path: str | None = None, vocab_size: int | None = None,
                  tokenizer_out: str | None = None) -> PreparedData:
     """Load documents (the default corpus when `paths` is empty), split off a held-out set, tokenize, pack.
 
-    The tokenizer is loaded from `tokenizer_path` when given; otherwise trained on the training split with
-    `vocab_size` and written to `<tokenizer_out>.model`. The held-out documents never reach tokenizer training.
+    `paths` are text corpora (.jsonl/.txt) or indexed datasets (.bin/.idx from scripts/preprocess_data.py, with
+    the tokenizer that wrote them). The tokenizer is loaded from `tokenizer_path` when given; otherwise trained
+    on the training split with `vocab_size` and written to `<tokenizer_out>.model`. Held-out documents never
+    reach tokenizer training.
     """
+    if paths and any(_is_indexed(p) for p in paths):
+        if not all(_is_indexed(p) for p in paths):
+            raise DataError("data.paths: do not mix indexed datasets (.bin/.idx) with text corpora")
+        return _prepare_indexed(list(paths), seq_length, seed, eval_fraction, tokenizer_path)
     texts = load_texts(paths) if paths else default_corpus()
     train_texts, held_texts = split_holdout(texts, eval_fraction, seed)
     if tokenizer_path:
