@@ -25,7 +25,7 @@ def parse_args(argv):
 
 
 def check_writable(path: str) -> None:
-    from telechat_moe.recipe import RecipeError
+    from telechat_moe.errors import RecipeError
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_probe_{os.getpid()}")
@@ -54,8 +54,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
     from data_sched.errors import DataError
-    from telechat_moe.checkpoint import CheckpointError
-    from telechat_moe.recipe import RecipeError, load_recipe, validate
+    from parallel.layout import LayoutError
+    from telechat_moe.errors import CheckpointError, RecipeError
+    from telechat_moe.recipe import load_recipe, validate
     try:
         recipe = load_recipe(args.recipe, args.set)
         from telechat_moe.dry_run import fit_problem, report
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
             trainer.resume()
         trainer.fit()
         return 0
-    except (RecipeError, DataError, CheckpointError) as e:
+    except (RecipeError, DataError, CheckpointError, LayoutError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
 

@@ -14,11 +14,9 @@ from pathlib import Path
 import mindspore as ms
 from mindspore import Parameter
 
+from telechat_moe.errors import CheckpointError
+
 WEIGHTS, STATE = "weights.safetensors", "state.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
 def rank_dir(root: str | Path, rank: int) -> Path:

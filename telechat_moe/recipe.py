@@ -14,6 +14,7 @@ import yaml
 
 from parallel.layout import LayoutError, ParallelLayout
 from telechat_moe.config import ModelConfig
+from telechat_moe.errors import RecipeError
 
 # Names users bring from other frameworks, pointed at ours.
 ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "num_experts": "n_routed_experts",
@@ -21,10 +22,6 @@ ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "n
            "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
            "max_steps": "train_steps", "batch_size": "global_batch_size"}
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message names the key or file and what was expected."""
 
 
 @dataclass
@@ -228,7 +225,7 @@ def _coerce(value, tp, key: str):
 
 def _build(cls, raw, prefix: str):
     if not isinstance(raw, dict):
-        raise RecipeError(f"{prefix or 'recipe'}: expected a mapping, got {raw!r}")
+        raise RecipeError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in fields(cls)}
     kwargs = {}
@@ -311,6 +308,8 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     _require(m.num_hidden_layers >= p.pipeline_stage * p.pp_interleave_num,
              f"parallel_config.pipeline_stage: {p.pipeline_stage} stages x {p.pp_interleave_num} chunks need at "
              f"least that many layers, the model has {m.num_hidden_layers}")
+    _require(t.global_batch_size >= 1, f"training.global_batch_size: expected a positive integer, got "
+                                        f"{t.global_batch_size}")
     _require(t.global_batch_size % (layout.dp * p.micro_batch_num) == 0,
              f"training.global_batch_size: {t.global_batch_size} is not divisible by data_parallel*micro_batch_num "
              f"= {layout.dp * p.micro_batch_num}")

@@ -1,0 +1,25 @@
+# The two set-up commands of the README: `make train` and `make test`. Both create the virtual environment on
+# first use and reinstall only when the pinned requirements change.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.runtime: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $@
+
+.PHONY: train test bench
+train: $(VENV)/.runtime
+	$(PY) run_train.py --recipe recipes/tiny.yaml
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(VENV)/.test
+	$(PY) bench/train_throughput.py

@@ -1,0 +1,10 @@
+"""User-facing errors of the application: each message is one line naming the key or file and what was expected.
+The entry point prints it and exits with code 2. Kept free of MindSpore so that bad input fails fast."""
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used."""
