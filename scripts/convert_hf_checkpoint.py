@@ -92,6 +92,8 @@ def to_hf(ckpt: str, out_dir: str, recipe: str | None, overrides: list[str], dty
     state, meta = hfa.read_safetensors(ckpt)
     cfg = checkpoint_config(meta, recipe, overrides, ckpt)
     hf_config = hfa.hf_config_from(cfg)
+    for gap in hfa.semantic_gaps(hf_config):
+        print(f"note: {gap}", file=sys.stderr)
     hf = hfa.ours_to_hf(state, cfg, hfa.hf_family(hf_config))
     used = {e.ours for e in hfa.entries(cfg, hfa.hf_family(hf_config))}
     skipped = sorted(set(state) - used)

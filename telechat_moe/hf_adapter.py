@@ -63,18 +63,22 @@ def _q_lora(c): return c.q_lora_rank > 0
 def _no_q_lora(c): return c.q_lora_rank == 0
 def _untied(c): return not c.tie_word_embeddings
 def _shared_i(c): return c.moe_shared_expert_intermediate_size * c.n_shared_experts
+def _q_norm(c): return c.q_lora_rank > 0 and c.qk_layernorm
+def _kv_norm(c): return c.qk_layernorm
 
 
 RULES = (
     Rule("model", "model.embed_tokens.weight", "embed_tokens", _vh),
     Rule("model", "model.norm.weight", "norm.weight", _h),
     Rule("model", "lm_head.weight", "lm_head.weight", _vh, when=_untied),
+    # a tied head: transformers' state_dict lists it, save_pretrained leaves it out
+    Rule("model", "lm_head.weight", "embed_tokens", _vh, "tied", when=lambda c: c.tie_word_embeddings),
     Rule("block", "input_layernorm.weight", "input_layernorm.weight", _h),
     Rule("block", "post_attention_layernorm.weight", "post_attention_layernorm.weight", _h),
     Rule("block", "self_attn.q_a_proj.weight", "self_attn.q_a_proj.weight",
          lambda c: (c.q_lora_rank, c.hidden_size), when=_q_lora),
     Rule("block", "self_attn.q_a_layernorm.weight", "self_attn.q_a_layernorm.weight",
-         lambda c: (c.q_lora_rank,), when=_q_lora),
+         lambda c: (c.q_lora_rank,), when=_q_norm),
     Rule("block", "self_attn.q_b_proj.weight", "self_attn.q_b_proj.weight",
          lambda c: (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank), "q_rope_rows", when=_q_lora),
     Rule("block", "self_attn.q_proj.weight", "self_attn.q_proj.weight",
@@ -82,7 +86,7 @@ RULES = (
     Rule("block", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight",
          lambda c: (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size), "kv_rope_rows"),
     Rule("block", "self_attn.kv_a_layernorm.weight", "self_attn.kv_a_layernorm.weight",
-         lambda c: (c.kv_lora_rank,)),
+         lambda c: (c.kv_lora_rank,), when=_kv_norm),
     Rule("block", "self_attn.kv_b_proj.weight", "self_attn.kv_b_proj.weight",
          lambda c: (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)),
     Rule("block", "self_attn.o_proj.weight", "self_attn.o_proj.weight",
@@ -164,7 +168,7 @@ def entries(cfg: ModelConfig, family: str) -> list[Entry]:
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Name -> shape of every TeleChatMoE parameter for this config, as the table knows them."""
-    return {e.ours: e.shape for e in entries(cfg, V3) if e.move != "shared"}
+    return {e.ours: e.shape for e in entries(cfg, V3) if e.move not in ("shared", "tied")}
 
 
 # ---- moves --------------------------------------------------------------------------------------------------
@@ -185,7 +189,7 @@ def _rope_rows(cfg: ModelConfig, move: str, rows: int) -> np.ndarray:
 def hf_to_ours(hf: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3,
                rope_interleaved: bool = True) -> dict[str, np.ndarray]:
     """HF state dict -> our parameters. Every HF tensor must be used and every one of ours produced."""
-    table = entries(cfg, family)
+    table = [e for e in entries(cfg, family) if e.move != "tied" or e.hf in hf]
     _check_names(hf, {e.hf for e in table if e.hf is not None}, cfg)
     ours: dict[str, np.ndarray] = {}
     inter = cfg.moe_intermediate_size
@@ -203,7 +207,7 @@ def hf_to_ours(hf: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3,
             ours[e.ours] = np.zeros(e.shape, np.float32)
             continue
         _check_shape(e.hf, src.shape, e.shape)
-        if e.move == "shared":
+        if e.move in ("shared", "tied"):
             continue  # checked once every main tensor is in
         if e.move in ("q_rope_rows", "kv_rope_rows") and rope_interleaved:
             ours[e.ours] = src[_rope_rows(cfg, e.move, src.shape[0])]
@@ -212,14 +216,14 @@ def hf_to_ours(hf: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3,
         else:
             ours[e.ours] = src
     for e in table:
-        if e.move == "shared" and not np.array_equal(np.asarray(hf[e.hf]), ours[e.ours]):
-            raise ConversionError(f"{e.hf}: differs from the main model's {e.ours}; TeleChatMoE's MTP shares them")
+        if e.move in ("shared", "tied") and not np.array_equal(np.asarray(hf[e.hf]), ours[e.ours]):
+            raise ConversionError(f"{e.hf}: differs from {e.ours}, which TeleChatMoE shares with it")
     return ours
 
 
 def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3) -> dict[str, np.ndarray]:
     """Our parameters -> HF state dict (rope channels interleaved, as DeepSeek publishes them)."""
-    table = entries(cfg, family)
+    table = [e for e in entries(cfg, family) if e.move != "tied"]
     missing = sorted({e.ours for e in table} - set(ours))
     if missing:
         raise ConversionError(f"checkpoint: missing {len(missing)} parameters of this config, e.g. {missing[0]}")
