@@ -182,6 +182,7 @@ def build(name: str, p: int, v: int, m: int) -> Schedule:
 @dataclass(frozen=True)
 class ScheduleReport:
     peak_in_flight: tuple[int, ...]  # per stage: most (micro-batch, chunk) activations held at once
+    peak_in_flight_by_chunk: tuple[tuple[int, ...], ...]  # per stage and chunk: most micro-batches held at once
     order: tuple[tuple[int, int], ...]  # a feasible global execution order: (stage, slot index)
 
 
@@ -243,11 +244,16 @@ def validate(schedule: Schedule) -> ScheduleReport:
                 need = [f"{a} on stage {t}" for x in slot for t, a in dependencies(schedule, s, x) if (t, a) not in done]
                 waits.append(f"stage {s} at {'+'.join(map(str, slot))} waits for {', '.join(need)}")
         raise ScheduleError(f"schedule {schedule.name} deadlocks: " + "; ".join(waits))
-    peak = []
+    peak, by_chunk = [], []
     for acts in schedule.actions:
-        held = top = 0
+        held, top = 0, 0
+        held_c, top_c = [0] * schedule.chunks, [0] * schedule.chunks
         for a in acts:
-            held += 1 if a.kind is Kind.F else -1
+            step = 1 if a.kind is Kind.F else -1
+            held += step
+            held_c[a.chunk] += step
             top = max(top, held)
+            top_c[a.chunk] = max(top_c[a.chunk], held_c[a.chunk])
         peak.append(top)
-    return ScheduleReport(tuple(peak), tuple(order))
+        by_chunk.append(tuple(top_c))
+    return ScheduleReport(tuple(peak), tuple(by_chunk), tuple(order))
