@@ -1,0 +1,154 @@
+"""Single-process emulations of each parallel dimension's arithmetic, for the alignment harness.
+
+Until the real tensor-, sequence-, pipeline- and expert-parallel paths run (they need Ascend), these reproduce
+what those paths compute differently from a plain run, inside one process:
+
+    TP  RowParallelLinear: input features split over tp ranks, partial products summed (the all-reduce)
+    SP  sharded_rope_tables: each sequence shard takes RoPE tables at its own global positions
+    PP  accumulate_micro_batches: gradients of loss/m summed over m micro-batches
+    EP  ExpertParallelDispatcher: tokens sent to expert-parallel ranks, sorted by local expert there, combine
+        weights travelling with the tokens and applied on the expert side
+    DP  all_reduce_mean / all_gather_batch: the real collectives, for runs under msrun
+
+Each piece is written so that a broken variant is one overridden method (a test injects a fault by subclassing),
+never a flag in the correct code.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+
+def swap_cell(root: nn.Cell, path: str, new_cell: nn.Cell) -> nn.Cell:
+    """Replace the sub-Cell at dotted `path` of `root` by `new_cell`, keeping every parameter's name (MindSpore
+    renames parameters that move under a new prefix, which would break alignment by name). Returns the old one."""
+    names = {id(p): p.name for p in root.get_parameters()}
+    parent_path, _, attr = path.rpartition(".")
+    parent = dict(root.cells_and_names())[parent_path] if parent_path else root
+    old = getattr(parent, attr)
+    setattr(parent, attr, new_cell)
+    for p in root.get_parameters():
+        if id(p) in names:
+            p.name = names[id(p)]
+    return old
+
+
+# ---- TP ------------------------------------------------------------------------------------------------
+class RowParallelLinear(nn.Cell):
+    """y = x W^T for W [out, in] (the Linear layout), computed as tp partial sums over slices of the input
+    features, as a row-parallel layer does on tp ranks before its all-reduce."""
+
+    def __init__(self, weight: Parameter, tp: int, compute_dtype=ms.float32):
+        super().__init__(auto_prefix=False)
+        if weight.shape[1] % tp:
+            raise ValueError(f"tp: {tp} does not divide the {weight.shape[1]} input features of {weight.name}")
+        self.weight = weight
+        self.tp = tp
+        self.shard = weight.shape[1] // tp
+        self.compute_dtype = compute_dtype
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def all_reduce(self, partials: list) -> Tensor:
+        """The tensor-parallel all-reduce: a sum of the ranks' partial products."""
+        total = partials[0]
+        for part in partials[1:]:
+            total = total + part
+        return total
+
+    def construct(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).astype(self.compute_dtype)
+        w = self.weight.astype(self.compute_dtype)
+        partials = [self.matmul(flat[:, r * self.shard:(r + 1) * self.shard], w[:, r * self.shard:(r + 1) * self.shard])
+                    for r in range(self.tp)]
+        return self.all_reduce(partials).reshape(shape[:-1] + (self.weight.shape[0],))
+
+
+# ---- SP ------------------------------------------------------------------------------------------------
+def sequence_shard_positions(seq_len: int, shards: int) -> list[np.ndarray]:
+    """Global positions held by each of `shards` contiguous sequence shards."""
+    if seq_len % shards:
+        raise ValueError(f"shards: {shards} does not divide the sequence length {seq_len}")
+    local = seq_len // shards
+    return [np.arange(r * local, (r + 1) * local, dtype=np.int32) for r in range(shards)]
+
+
+def sharded_rope_tables(cos_table: Tensor, sin_table: Tensor, shard_positions: Sequence[np.ndarray]):
+    """cos/sin rows for the whole sequence, gathered shard by shard at each shard's positions: what the
+    sequence-parallel ranks apply, concatenated."""
+    cos = ops.cat([ops.gather(cos_table, Tensor(p), 0) for p in shard_positions], 0)
+    sin = ops.cat([ops.gather(sin_table, Tensor(p), 0) for p in shard_positions], 0)
+    return cos, sin
+
+
+# ---- PP ------------------------------------------------------------------------------------------------
+def accumulate_micro_batches(grad_fn: Callable, micro_batches: Sequence[Sequence]) -> tuple[float, list]:
+    """Mean loss and the sum over micro-batches of grad(loss / m), in micro-batch order, as every pipeline
+    stage accumulates its parameters' gradients. `grad_fn(*batch)` returns (loss, grads)."""
+    m = len(micro_batches)
+    total_loss, total = 0.0, None
+    for batch in micro_batches:
+        loss, grads = grad_fn(*batch)
+        grads = [g / m for g in grads]
+        total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        total_loss += float(loss) / m
+    return total_loss, total
+
+
+# ---- EP ------------------------------------------------------------------------------------------------
+class ExpertParallelDispatcher(nn.Cell):
+    """Dropless dispatch over `ep` expert-parallel ranks (experts split contiguously), with the dispatcher
+    interface of telechat_moe/moe/dispatch.py: dispatch(x, indices) -> (tokens sorted by expert, group sizes,
+    state); combine(expert_out, weights, state) -> weighted sum per token.
+
+    Dispatch is two permutations, as the All-to-All path does: token copies grouped by destination rank in
+    token order (the send), then sorted by local expert on each rank (the receive). Combine applies the routing
+    weights on the expert side, in dispatch order (the weights travel with the tokens), sends the rows back to
+    token order and sums each token's k copies."""
+
+    def __init__(self, num_experts: int, top_k: int, ep: int):
+        super().__init__()
+        if num_experts % ep:
+            raise ValueError(f"ep: {ep} does not divide the {num_experts} experts")
+        self.num_experts, self.top_k, self.ep = num_experts, top_k, ep
+        self.per_rank = num_experts // ep
+        self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+
+    def dispatch(self, x, indices):
+        t = x.shape[0]
+        n = t * self.top_k
+        flat_expert = indices.reshape(-1)
+        slot = ops.arange(0, n, dtype=ms.int32)
+        send = ops.sort(flat_expert // self.per_rank * n + slot)[1]
+        received_expert = ops.gather(flat_expert, send, 0)
+        receive = ops.sort(received_expert * n + ops.arange(0, n, dtype=ms.int32))[1]
+        order = ops.gather(send, receive, 0)
+        tokens = ops.gather(x, order // self.top_k, 0)
+        group_sizes = ops.one_hot(flat_expert, self.num_experts, self.on_value, self.off_value).sum(0)
+        return tokens, ops.stop_gradient(group_sizes).astype(ms.int32), order
+
+    def weights_in_dispatch_order(self, weights, order):
+        """The routing weight of each dispatched row: the weights are permuted exactly as the tokens were."""
+        return ops.gather(weights.reshape(-1), order, 0)
+
+    def combine(self, expert_out, weights, order):
+        t, k = weights.shape
+        weighted = expert_out * ops.expand_dims(self.weights_in_dispatch_order(weights, order), -1).astype(
+            expert_out.dtype)
+        inverse = ops.sort(order.astype(ms.float32))[1]  # dispatch row of each (token, slot)
+        return ops.gather(weighted, inverse, 0).reshape(t, k, -1).sum(1)
+
+
+# ---- DP (real collectives, under msrun) -----------------------------------------------------------------
+def all_reduce_mean(values: Sequence[Tensor], world: int) -> list[Tensor]:
+    """Data-parallel gradient averaging over the world group."""
+    reduce = ops.AllReduce()
+    return [reduce(v) / world for v in values]
+
+
+def all_gather_batch(value: np.ndarray) -> np.ndarray:
+    """Concatenate every rank's `value` along axis 0, in rank order (AllGather: the world group on CPU)."""
+    return ops.AllGather()(Tensor(value)).asnumpy()

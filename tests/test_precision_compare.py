@@ -1,0 +1,227 @@
+"""Tensor dumps and run-vs-run comparison on synthetic runs: round trips, walk order, error signatures, and the
+CLI's answers to runs that cannot be compared."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision.compare import compare_runs, walk_order
+from precision.dump import DumpError, DumpWriter, TensorRecord, config_hash, open_run, parse_steps
+from precision.signatures import Risk, diagnose
+from precision.tolerance import tolerance
+
+ROOT = Path(__file__).resolve().parents[1]
+META = {"model_config_hash": config_hash({"layers": 3, "hidden": 8}), "layout": {"tp": 1}}
+
+
+def fake_step(seed=0, layers=3, batch=2, seq=8, hidden=8, edit=None):
+    """float32 records of a pretend 3-layer step; `edit(name, array)` may change a tensor before it is dumped."""
+    rng = np.random.default_rng(seed)
+    records = [TensorRecord("embed", "forward", rng.standard_normal((batch, seq, hidden)), None, "embedding",
+                            dims="bsh")]
+    for i in range(layers):
+        records += [TensorRecord(f"layers.{i}.attn.rope_q", "forward", rng.standard_normal((batch, seq, 2, 4)), i,
+                                 "rope", dims="bsnd"),
+                    TensorRecord(f"layers.{i}.attn", "forward", rng.standard_normal((batch, seq, hidden)), i,
+                                 "mla_attention", dims="bsh"),
+                    TensorRecord(f"layers.{i}.moe.combine_weights", "forward", rng.uniform(0.1, 1, (batch * seq, 2)),
+                                 i, "moe.combine", dims="tk"),
+                    TensorRecord(f"layers.{i}.out", "forward", rng.standard_normal((batch, seq, hidden)), i, "layer",
+                                 dims="bsh")]
+    records.append(TensorRecord("loss", "loss", np.array(rng.uniform(2, 5)), None, "cross_entropy"))
+    for name, layer in [("embed", None)] + [(f"layers.{i}.w", i) for i in range(layers)] + [("head", None)]:
+        records.append(TensorRecord(f"grad.{name}", "grad", rng.standard_normal((hidden, hidden)), layer, "grad"))
+    records.append(TensorRecord("exp_avg.head", "optimizer", rng.standard_normal((hidden, hidden)), None, "adamw"))
+    edit = edit or (lambda name, a: a)
+    return [TensorRecord(r.name, r.kind, edit(r.name, np.array(r.value, np.float32)).astype(np.float32), r.layer,
+                         r.operator, r.k, r.dims) for r in records]
+
+
+def dump(root, records, meta=META, step=0, rank=0):
+    DumpWriter(root, meta, rank=rank).write(step, records)
+    return root
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "precision.compare", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+# ---- dumps ---------------------------------------------------------------------------------------------
+def test_dump_round_trip_with_index_and_mindspore_tensors(tmp_path):
+    import mindspore as ms
+    bf16 = ms.Tensor(np.array([[1.5, -2.25]], np.float32)).astype(ms.bfloat16)
+    records = fake_step() + [TensorRecord("layers.0.bf16", "forward", bf16, 0, "cast"),
+                             TensorRecord("layers.0.fp16", "forward", ms.Tensor(np.ones(3, np.float16)), 0, "x")]
+    dump(tmp_path / "run", records, step=7)
+    run = open_run(tmp_path / "run")
+    assert run.steps == [7] and run.meta == META
+    entries = {e.name: e for e in run.entries(7)}
+    assert entries["layers.0.bf16"].dtype == "bfloat16" and entries["layers.0.fp16"].dtype == "float16"
+    np.testing.assert_array_equal(run.load(entries["layers.0.bf16"]), [[1.5, -2.25]])
+    assert entries["layers.1.attn"].layer == 1 and entries["layers.1.attn"].k == 8  # last dimension by default
+    for r in fake_step():
+        np.testing.assert_array_equal(run.load(entries[r.name]), r.value)
+    assert not [p for p in (tmp_path / "run").iterdir() if ".tmp" in p.name]
+    index = json.loads((tmp_path / "run" / "step_00000007.rank0.json").read_text())
+    assert {"name", "kind", "layer", "operator", "order", "shape", "dtype", "step", "rank"} <= set(index[0])
+
+
+def test_dump_refuses_another_runs_directory_and_bad_records(tmp_path):
+    dump(tmp_path / "run", fake_step())
+    DumpWriter(tmp_path / "run", META).write(1, fake_step())  # the same run continues (resume)
+    with pytest.raises(DumpError, match="another run"):
+        DumpWriter(tmp_path / "run", {**META, "model_config_hash": "other"})
+    writer = DumpWriter(tmp_path / "run2", META)
+    with pytest.raises(DumpError, match="kind"):
+        writer.write(0, [TensorRecord("x", "activation", np.ones(2))])
+    with pytest.raises(DumpError, match="twice"):
+        writer.write(0, [TensorRecord("x", "forward", np.ones(2))] * 2)
+    with pytest.raises(DumpError, match="dims"):
+        writer.write(0, [TensorRecord("x", "forward", np.ones(2), dims="bs")])
+
+
+def test_parse_steps():
+    assert parse_steps("3, 10-12") == {3, 10, 11, 12}
+    for bad in ("", "a", "5-2", "1,,2"):
+        with pytest.raises(DumpError, match="dump_steps"):
+            parse_steps(bad)
+
+
+def test_walk_order_is_forward_then_backward():
+    from precision.dump import IndexEntry
+    entries = [IndexEntry(n, k, None, "", o, (1,), "float32", 1, "", 0, 0) for n, k, o in
+               [("g0", "grad", 0), ("f0", "forward", 0), ("opt", "optimizer", 0), ("g1", "grad", 1),
+                ("loss", "loss", 0), ("f1", "forward", 1)]]
+    assert [e.name for e in walk_order(entries)] == ["f0", "f1", "loss", "g1", "g0", "opt"]
+
+
+# ---- comparison ----------------------------------------------------------------------------------------
+def test_identical_runs_agree(tmp_path):
+    report = compare_runs(dump(tmp_path / "a", fake_step()), dump(tmp_path / "b", fake_step()))
+    assert report.first is None and len(report.rows) == len(fake_step())
+    proc = run_cli(tmp_path / "a", tmp_path / "b", "--png", tmp_path / "p.png")
+    assert proc.returncode == 0 and "no divergence" in proc.stdout and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_float32_noise_is_inside_the_chain_tolerance(tmp_path):
+    rng = np.random.default_rng(5)
+    noisy = fake_step(edit=lambda n, a: a * (1 + tolerance("float32").rtol * rng.uniform(-1, 1, a.shape)))
+    assert compare_runs(dump(tmp_path / "a", fake_step()), dump(tmp_path / "b", noisy)).first is None
+
+
+def _first(tmp_path, edit, meta_b=META, replicas=None):
+    a = dump(tmp_path / "a", fake_step())
+    b = dump(tmp_path / "b", fake_step(edit=edit), meta_b)
+    for rank, rank_edit in (replicas or {}).items():
+        dump(b, fake_step(edit=rank_edit), meta_b, rank=rank)
+    report = compare_runs(a, b)
+    assert report.first is not None
+    return report
+
+
+def test_tp_partial_sum_scaled(tmp_path):
+    report = _first(tmp_path, lambda n, a: a / 2 if n == "layers.1.attn" else a, {**META, "layout": {"tp": 2}})
+    assert (report.first.entry.name, report.first.entry.layer) == ("layers.1.attn", 1)
+    assert report.diagnosis.risk is Risk.TP and "1/tp" in report.diagnosis.evidence
+
+
+def test_pp_gradients_divided_twice(tmp_path):
+    layout = {"pp": 2, "micro_batch_num": 4}
+    report = _first(tmp_path, lambda n, a: a / 4 if n in ("grad.layers.0.w", "grad.layers.1.w", "grad.embed")
+                    else a, {**META, "layout": layout})
+    assert report.first.entry.name == "grad.layers.1.w"  # backward order: the later layer first
+    assert report.diagnosis.risk is Risk.PP and "micro_batch_num" in report.diagnosis.evidence
+
+
+def test_unexplained_factor(tmp_path):
+    report = _first(tmp_path, lambda n, a: a * 3 if n == "layers.2.out" else a)
+    assert report.diagnosis.risk is Risk.SCALE
+
+
+def test_sp_offset_on_one_shard(tmp_path):
+    def rotate_second_half(name, a):
+        if name != "layers.2.attn.rope_q":
+            return a
+        out = a.copy()
+        c, s = np.cos(0.7), np.sin(0.7)
+        out[:, 4:, :, :2] = c * a[:, 4:, :, :2] - s * a[:, 4:, :, 2:]
+        out[:, 4:, :, 2:] = s * a[:, 4:, :, :2] + c * a[:, 4:, :, 2:]
+        return out
+    report = _first(tmp_path, rotate_second_half, {**META, "layout": {"tp": 2, "sp": True}})
+    assert report.first.entry.layer == 2 and report.diagnosis.risk is Risk.SP
+    assert "positions 4..7 of 8" in report.diagnosis.evidence and "rotation" in report.diagnosis.evidence
+
+
+def test_ep_weights_in_wrong_order(tmp_path):
+    rng = np.random.default_rng(3)
+    report = _first(tmp_path, lambda n, a: rng.permutation(a.ravel()).reshape(a.shape)
+                    if n == "layers.1.moe.combine_weights" else a, {**META, "layout": {"ep": 2}})
+    assert report.first.entry.layer == 1 and report.diagnosis.risk is Risk.EP
+    assert "another order" in report.diagnosis.evidence
+
+
+def test_dp_replicas_that_were_never_reduced(tmp_path):
+    rng = np.random.default_rng(4)
+    local = {0: rng.standard_normal((8, 8)), 1: rng.standard_normal((8, 8))}
+
+    def rank_grad(rank):
+        def edit(name, a):
+            return a + local[rank] - (local[0] + local[1]) / 2 if name == "grad.layers.2.w" else a
+        return edit
+    report = _first(tmp_path, rank_grad(0), {**META, "layout": {"dp": 2}}, replicas={1: rank_grad(1)})
+    assert report.first.entry.name == "grad.layers.2.w" and report.diagnosis.risk is Risk.DP
+    assert "mean matches run A" in report.diagnosis.evidence
+
+
+def test_small_drift_is_called_numerical():
+    a = np.random.default_rng(0).standard_normal((4, 8))
+    tol = 1e-6
+    diagnosis = diagnose("x", "forward", "matmul", "", a, a * (1 + 3e-6), tol, [{}], False)
+    assert diagnosis.risk is Risk.NUMERIC
+
+
+# ---- runs that cannot be compared ----------------------------------------------------------------------
+def _expect_rc2(proc, *words):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+def test_cli_rejects_incomparable_runs(tmp_path):
+    a = dump(tmp_path / "a", fake_step())
+    _expect_rc2(run_cli(a, dump(tmp_path / "missing", fake_step()[:-1])), "exp_avg.head", "missing")
+    bad_shape = [TensorRecord(r.name, r.kind, np.zeros((3,)) if r.name == "loss" else r.value, r.layer, r.operator,
+                              r.k, r.dims) for r in fake_step()]
+    _expect_rc2(run_cli(a, dump(tmp_path / "shape", bad_shape)), "'loss'", "shape")
+    _expect_rc2(run_cli(a, dump(tmp_path / "model", fake_step(), {**META, "model_config_hash": "abc"})),
+                "different models")
+    _expect_rc2(run_cli(a, tmp_path / "nowhere"), "no such dump directory")
+    (tmp_path / "empty").mkdir()
+    _expect_rc2(run_cli(a, tmp_path / "empty"), "no run.json")
+    _expect_rc2(run_cli(a, dump(tmp_path / "later", fake_step(), step=5)), "no step")
+    _expect_rc2(run_cli(a, a, "--rank", "1"), "rank 1")
+    _expect_rc2(run_cli(a, a, "--rtol-scale", "0"), "--rtol-scale")
+    corrupt = dump(tmp_path / "corrupt", fake_step())
+    (corrupt / "step_00000000.rank0.json").write_text("{not json")
+    _expect_rc2(run_cli(a, corrupt), "unreadable index")
+    truncated = dump(tmp_path / "truncated", fake_step())
+    (truncated / "step_00000000.rank0.safetensors").write_bytes(b"\0\1")
+    _expect_rc2(run_cli(a, truncated), "unreadable tensor")
+
+
+def test_cli_reports_divergence_table_and_plot(tmp_path):
+    a = dump(tmp_path / "a", fake_step())
+    b = dump(tmp_path / "b", fake_step(edit=lambda n, x: x / 2 if n == "layers.1.attn" else x),
+             {**META, "layout": {"tp": 2}})
+    proc = run_cli(a, b, "--png", tmp_path / "err.png", "--json", tmp_path / "r.json")
+    assert proc.returncode == 1, proc.stderr
+    assert "first divergence" in proc.stdout and "layer 1, operator mla_attention" in proc.stdout
+    assert "category: TP" in proc.stdout and "DIVERGED" in proc.stdout
+    assert (tmp_path / "err.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "r.json").read_text())["first_divergence"]["category"] == "TP"
