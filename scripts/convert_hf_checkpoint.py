@@ -59,8 +59,8 @@ def to_ours(hf_dir: str, out: str, force: bool) -> None:
     print(f"read {len(state)} tensors of a {hfa.ARCHITECTURES[family]} from {hf_dir}", flush=True)
     for gap in hfa.semantic_gaps(hf_config):
         print(f"note: {gap}", file=sys.stderr)
-    rope_interleaved = family == hfa.V2 or bool(hf_config.get("rope_interleave", True))
-    ours = hfa.hf_to_ours(state, cfg, family, rope_interleaved)
+    print(f"converting to {cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP ...", flush=True)
+    ours = hfa.hf_to_ours(state, cfg, family, hfa.hf_rope_interleaved(hf_config))
     hfa.write_safetensors(out, ours, {CONFIG_KEY: json.dumps(kwargs, sort_keys=True)}, dtype="float32")
     with open(yaml_path, "w") as f:
         yaml.safe_dump({"model": kwargs}, f, sort_keys=False)

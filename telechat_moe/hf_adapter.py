@@ -48,7 +48,10 @@ class ConversionError(ValueError):
 @dataclass(frozen=True)
 class Rule:
     """One tensor. scope: 'model' (absolute names), 'block' (any decoder layer), 'dense' / 'moe' (decoder layers of
-    that kind), 'mtp' (the MTP wrapper around a block). `{e}` in `hf` stands for a routed expert index."""
+    that kind), 'mtp' (the MTP wrapper around a block). `{e}` in `hf` stands for a routed expert index.
+    move: copy | q_rope_rows / kv_rope_rows (de-interleave the rope rows) | expert_gate / expert_up / expert_down
+    (one expert's slice of w1 / w2, transposed) | expert_bias (absent in DeepseekV2: zeros) | swap_halves (eh_proj
+    columns) | shared / tied (HF holds a copy of one of our tensors: checked equal, written back as a copy)."""
     scope: str
     hf: str
     ours: str
@@ -258,6 +261,11 @@ def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V
 def _swap_halves(w: np.ndarray) -> np.ndarray:
     half = w.shape[1] // 2
     return np.concatenate([w[:, half:], w[:, :half]], axis=1)
+
+
+def hf_rope_interleaved(hf: Mapping) -> bool:
+    """Whether the checkpoint's rope channels are interleaved pairs (DeepseekV2 always, V3 unless rope_interleave=false)."""
+    return hf_family(hf) == V2 or bool(hf.get("rope_interleave", True))
 
 
 def _check_shape(name: str, got: tuple, expected: tuple) -> None:
