@@ -1,0 +1,155 @@
+"""From a placement plan to MindSpore's pipeline configuration, in MindSpore's and MindFormers' own names.
+
+Nothing here decides anything: the plan (placement + schedule) is made elsewhere. This module spells it as
+- `mindspore.set_auto_parallel_context(pipeline_stages=p, pipeline_config={"pipeline_interleave", "pipeline_scheduler"})`
+  or equally `AutoParallel(net, parallel_mode="semi_auto").pipeline(stages, interleave=, scheduler=)`;
+- `mindspore.parallel.nn.Pipeline(network, micro_size, stage_config={cell name: stage})`, which sets each cell's
+  `pipeline_stage`. With interleave on, MindSpore derives a cell's virtual chunk from the forward order (a stage
+  seen again after a later stage is its next chunk), which is how MindFormers' `LayerSetting` assigns them;
+  `pipeline_segment` is read only by the zero_bubble_v scheduler and is not set here;
+- the overlapped schedule: 1F1B with `pp_1f1b_overlap` in the parallel speed-up JSON (MindSpore's switch that overlaps
+  the named communication of one micro-batch's forward with another's backward in the 1F1B steady state);
+- MindFormers' recipe keys (`parallel_config.pipeline_stage`, `micro_batch_num`, `model_config.offset` of shape
+  [pp_interleave_num][pipeline_stage], `pp_interleave_num`, `parallel.pipeline_config`) where MindFormers can express
+  the plan: it puts the embedding on stage 0 and the head and MTP on the last stage, so an MTP kept apart from the
+  head needs `stage_config`.
+It cannot run on CPU ("Invalid backend: CPU"); tests check the produced configuration and apply `stage_config`
+through `Pipeline` to a network skeleton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel.layout import LayoutError, ParallelLayout
+from parallel.pipeline.placement import Placement
+
+# our schedule -> (pipeline_interleave, pipeline_scheduler); MindSpore allows gpipe only with interleave on
+SCHEDULERS = {"1f1b": (False, "1f1b"), "interleaved": (True, "1f1b"), "gpipe": (True, "gpipe"),
+              "overlapped": (True, "1f1b")}
+OVERLAPPED_COMM = "AlltoAll,AlltoAllV"  # the expert all-to-all is what the paired backward hides
+
+
+class BindingError(ValueError):
+    """The plan and the layout or network disagree; the message names the field."""
+
+
+@dataclass(frozen=True)
+class CellNames:
+    """Where each unit kind lives in the network, as `cells_and_names()` spells it."""
+    embedding: tuple[str, ...] = ("embedding",)
+    layer: str = "decoder.layers.{i}"
+    mtp: tuple[str, ...] = ("mtp",)
+    head: tuple[str, ...] = ("decoder.final_layernorm", "output_layer")
+
+    def of(self, unit) -> tuple[str, ...]:
+        if unit.kind in ("dense", "moe"):
+            return (self.layer.format(i=unit.layer),)
+        return {"embedding": self.embedding, "mtp": self.mtp, "head": self.head}[unit.kind]
+
+
+MINDFORMERS_NAMES = CellNames()  # MindFormers' GPTModel (TeleChat3, DeepSeek-V3)
+
+
+@dataclass(frozen=True)
+class MindSporePipelineConfig:
+    pipeline_stages: int
+    pipeline_interleave: bool
+    pipeline_scheduler: str
+    micro_size: int
+    stage_config: dict[str, int]  # cell name -> pipeline stage
+    chunk_of: dict[str, int]  # cell name -> virtual chunk, as the forward order implies it
+    parallel_speed_up: dict = field(default_factory=dict)  # content of parallel_speed_up_json_path
+    mindformers: dict | None = None  # recipe keys, when MindFormers' offset can express the plan
+    mindformers_gap: str = ""  # why not, otherwise
+
+    def auto_parallel_context(self) -> dict:
+        """Keyword arguments of mindspore.set_auto_parallel_context."""
+        return {"pipeline_stages": self.pipeline_stages,
+                "pipeline_config": {"pipeline_interleave": self.pipeline_interleave,
+                                    "pipeline_scheduler": self.pipeline_scheduler}}
+
+    def wrap(self, network):
+        """network -> mindspore.parallel.nn.Pipeline(network, micro_size, stage_config): sets every planned cell's
+        pipeline_stage (MindSpore raises KeyError for a name the network lacks)."""
+        from mindspore.parallel.nn import Pipeline
+
+        return Pipeline(network, self.micro_size, stage_config=dict(self.stage_config))
+
+    def auto_parallel(self, cell):
+        """The Ascend entry: AutoParallel(cell, "semi_auto") with this pipeline configured."""
+        from mindspore.parallel.auto_parallel import AutoParallel
+
+        net = AutoParallel(cell, parallel_mode="semi_auto")
+        net.pipeline(stages=self.pipeline_stages, interleave=self.pipeline_interleave,
+                     scheduler=self.pipeline_scheduler)
+        return net
+
+
+def _check_layout(placement: Placement, schedule: str, micro_size: int, layout: ParallelLayout | None) -> None:
+    if schedule not in SCHEDULERS:
+        raise BindingError(f"schedule: expected one of {sorted(SCHEDULERS)}, got {schedule!r}")
+    if schedule == "1f1b" and placement.chunks > 1:
+        raise BindingError(f"schedule: 1f1b runs one chunk per stage, the placement has {placement.chunks}")
+    if micro_size < placement.stages:
+        raise BindingError(f"parallel_config.micro_batch_num: {micro_size} micro-batches cannot fill {placement.stages} stages")
+    if schedule in ("interleaved", "overlapped") and micro_size % placement.stages:
+        raise BindingError(f"parallel_config.micro_batch_num: the {schedule} schedule needs a multiple of the {placement.stages} "
+                           f"stages, got {micro_size}")
+    if layout is None:
+        return
+    try:
+        layout.validate()
+    except LayoutError as e:
+        raise BindingError(str(e)) from None
+    for key, plan_value, layout_value in (("pp", placement.stages, layout.pp), ("vpp", placement.chunks, layout.vpp),
+                                          ("micro_batch_num", micro_size, layout.micro_batch_num)):
+        if plan_value != layout_value:
+            raise BindingError(f"{layout.names[key]}: the layout says {layout_value}, the pipeline plan {plan_value}")
+
+
+def _mindformers_offset(placement: Placement) -> tuple[list[list[int]] | None, str]:
+    """MindFormers' offset[chunk][stage] (layers above num_layers // (p*v)), or None and the reason."""
+    p, v = placement.stages, placement.chunks
+    segs = placement.segments
+    last = len(segs) - 1
+    for k, seg in enumerate(segs):
+        for u in seg:
+            if u.kind == "embedding" and k != 0:
+                return None, f"the embedding is in segment {k}; MindFormers keeps it on stage 0, chunk 0"
+            if u.kind in ("mtp", "head") and k != last:
+                return None, (f"{u.name} is on stage {k % p}, chunk {k // p}; MindFormers puts the head and MTP on "
+                              f"the last stage")
+    counts = [sum(u.kind in ("dense", "moe") for u in seg) for seg in segs]
+    base = sum(counts) // len(segs)
+    if any(c == 0 for c in counts[1:-1]):
+        return None, "a middle segment holds no decoder layer; MindFormers' LayerSetting needs at least one"
+    return [[counts[c * p + s] - base for s in range(p)] for c in range(v)], ""
+
+
+def bind(placement: Placement, schedule: str, micro_size: int, layout: ParallelLayout | None = None,
+         names: CellNames = MINDFORMERS_NAMES) -> MindSporePipelineConfig:
+    """MindSpore's pipeline configuration for `placement` run with `schedule` over `micro_size` micro-batches,
+    checked against the parallel layout when one is given."""
+    _check_layout(placement, schedule, micro_size, layout)
+    interleave, scheduler = SCHEDULERS[schedule]
+    stage_config: dict[str, int] = {}
+    chunk_of: dict[str, int] = {}
+    for k, seg in enumerate(placement.segments):
+        for unit in seg:
+            for name in names.of(unit):
+                if name in stage_config:
+                    raise BindingError(f"cell {name!r} is named by two units; check the CellNames")
+                stage_config[name] = k % placement.stages
+                chunk_of[name] = k // placement.stages
+    speed_up = {"pp_1f1b_overlap": OVERLAPPED_COMM} if schedule == "overlapped" else {}
+    offset, gap = _mindformers_offset(placement)
+    mindformers = None
+    if offset is not None:
+        mindformers = {
+            "parallel_config": {"pipeline_stage": placement.stages, "micro_batch_num": micro_size},
+            "model": {"model_config": {"offset": offset if placement.chunks > 1 else offset[0],
+                                       "pp_interleave_num": placement.chunks}},
+            "parallel": {"pipeline_config": {"pipeline_interleave": interleave, "pipeline_scheduler": scheduler}},
+        }
+    return MindSporePipelineConfig(placement.stages, interleave, scheduler, micro_size, stage_config, chunk_of,
+                                   speed_up, mindformers, gap)

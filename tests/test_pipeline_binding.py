@@ -1,0 +1,131 @@
+"""The MindSpore binding for the 105b and 1t layouts: every layer placed once, stage counts, divisibility, the
+layout check, MindFormers' own LayerSetting reading our offset back, and MindSpore's Pipeline applying it."""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from parallel.pipeline.mindspore_binding import BindingError, bind
+from parallel.pipeline.placement import PlacementOptions, balance, telechat_units
+from parallel.pipeline.schedules import build, validate
+
+recipe_mod = pytest.importorskip("telechat_moe.recipe")
+
+LAYOUTS = {"105b": ("recipes/105b.yaml", "1f1b"), "1t": ("recipes/1t.yaml", "interleaved")}
+
+
+def planned(name: str, options: PlacementOptions = PlacementOptions()):
+    path, schedule = LAYOUTS[name]
+    recipe = recipe_mod.load_recipe(path)
+    shape, layout = recipe.model.to_model_shape(), recipe.layout
+    in_flight = validate(build(schedule, layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
+    units = telechat_units(shape, layout, tokens=shape.seq_length, options=options)
+    return balance(units, layout.pp, layout.vpp, options, in_flight), schedule, layout, shape
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_config_places_every_layer_once(name):
+    placement, schedule, layout, shape = planned(name)
+    cfg = bind(placement, schedule, layout.micro_batch_num, layout)
+    layers = [f"decoder.layers.{i}" for i in range(shape.num_layers)]
+    assert set(cfg.stage_config) == set(layers) | {"embedding", "mtp", "decoder.final_layernorm", "output_layer"}
+    assert cfg.pipeline_stages == layout.pp and set(cfg.stage_config.values()) == set(range(layout.pp))
+    assert set(cfg.chunk_of.values()) == set(range(layout.vpp))
+    assert cfg.micro_size == layout.micro_batch_num and cfg.micro_size % layout.pp == 0
+    assert cfg.pipeline_interleave == (layout.vpp > 1)
+    # forward order walks stages 0..p-1 once per chunk: (chunk, stage) never goes backwards along the layers
+    walk = [(cfg.chunk_of[n], cfg.stage_config[n]) for n in ["embedding", *layers, "mtp", "output_layer"]]
+    assert walk == sorted(walk)
+    assert cfg.stage_config["embedding"] == 0 and cfg.stage_config["output_layer"] == layout.pp - 1
+
+
+def _layer_setting(num_layers, offset, pp, vpp):
+    """MindFormers' own layer-to-stage rule (LayerSetting) applied to an offset."""
+    import mindspore as ms
+    from mindformers.parallel_core.training_graph.transformer.utils import LayerSetting
+
+    ms.set_auto_parallel_context(pipeline_stages=pp, pipeline_config={"pipeline_interleave": vpp > 1,
+                                                                      "pipeline_scheduler": "1f1b"})
+    try:
+        cfg = SimpleNamespace(swap=SimpleNamespace(swap=False), recompute=False, pipeline_stage=pp,
+                              gradient_aggregation_group=4)
+        setting = LayerSetting(num_layers, offset, cfg, vpp)
+        return [int(x) for x in setting.pp_ids], [int(x) for x in setting.interleave_ids]
+    finally:
+        ms.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mindformers_offset_reproduces_the_plan(name, monkeypatch, tmp_path):
+    monkeypatch.setenv("LOG_MF_PATH", str(tmp_path))
+    placement, schedule, layout, shape = planned(name)
+    cfg = bind(placement, schedule, layout.micro_batch_num, layout)
+    keys = cfg.mindformers
+    assert keys["parallel_config"] == {"pipeline_stage": layout.pp, "micro_batch_num": layout.micro_batch_num}
+    model = keys["model"]["model_config"]
+    assert model["pp_interleave_num"] == layout.vpp
+    offset = model["offset"] if layout.vpp > 1 else [model["offset"]]
+    assert len(offset) == layout.vpp and all(len(row) == layout.pp for row in offset)
+    assert sum(map(sum, offset)) == shape.num_layers % (layout.pp * layout.vpp)
+    stages, chunks = _layer_setting(shape.num_layers, model["offset"], layout.pp, layout.vpp)
+    for i in range(shape.num_layers):
+        assert (stages[i], chunks[i]) == (cfg.stage_config[f"decoder.layers.{i}"], cfg.chunk_of[f"decoder.layers.{i}"])
+
+
+def test_mtp_apart_needs_stage_config():
+    placement, schedule, layout, _ = planned("1t", PlacementOptions(mtp_apart_from_head=True))
+    cfg = bind(placement, "overlapped", layout.micro_batch_num, layout)
+    assert cfg.parallel_speed_up == {"pp_1f1b_overlap": "AlltoAll,AlltoAllV"}
+    assert cfg.stage_config["mtp"] != cfg.stage_config["output_layer"]
+    assert cfg.mindformers is None and "MindFormers puts the head and MTP" in cfg.mindformers_gap
+
+
+def test_layout_mismatch_is_named():
+    placement, schedule, layout, _ = planned("1t")
+    with pytest.raises(BindingError, match="parallel_config.pipeline_stage"):
+        bind(placement, schedule, layout.micro_batch_num, dataclasses.replace(layout, pp=8, dp=64))
+    with pytest.raises(BindingError, match="parallel_config.micro_batch_num"):
+        bind(placement, schedule, 40, dataclasses.replace(layout, micro_batch_num=40))  # 40 % 16 != 0
+    with pytest.raises(BindingError, match="interleaved schedule needs a multiple of the 16 stages"):
+        bind(placement, schedule, 40)
+    with pytest.raises(BindingError, match="1f1b runs one chunk"):
+        bind(placement, "1f1b", layout.micro_batch_num)
+    with pytest.raises(BindingError, match="schedule"):
+        bind(placement, "zb-v", layout.micro_batch_num)
+
+
+def test_mindspore_applies_it():
+    """MindSpore's own APIs take the configuration: the context accepts it and Pipeline sets each cell's stage."""
+    import mindspore as ms
+    from mindspore import nn
+
+    placement, schedule, layout, shape = planned("105b")
+    cfg = bind(placement, schedule, layout.micro_batch_num, layout)
+
+    class Decoder(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.CellList([nn.Cell() for _ in range(shape.num_layers)])
+            self.final_layernorm = nn.Cell()
+
+    class GPT(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.embedding, self.decoder, self.mtp, self.output_layer = nn.Cell(), Decoder(), nn.Cell(), nn.Cell()
+
+    net = GPT()
+    cfg.wrap(net)
+    for name, cell in net.cells_and_names():
+        if name in cfg.stage_config:
+            assert cell.pipeline_stage == cfg.stage_config[name]
+    ms.set_auto_parallel_context(**cfg.auto_parallel_context())
+    try:
+        assert ms.get_auto_parallel_context("pipeline_stages") == layout.pp
+        assert ms.get_auto_parallel_context("pipeline_scheduler") == cfg.pipeline_scheduler
+    finally:
+        ms.reset_auto_parallel_context()
+    del net.mtp  # a plan naming a cell the network lacks is refused by MindSpore itself
+    with pytest.raises(KeyError, match="mtp"):
+        cfg.wrap(net)
