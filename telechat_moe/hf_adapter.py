@@ -264,7 +264,7 @@ def _swap_halves(w: np.ndarray) -> np.ndarray:
 
 
 def hf_rope_interleaved(hf: Mapping) -> bool:
-    """Whether the checkpoint's rope channels are interleaved pairs (DeepseekV2 always, V3 unless rope_interleave=false)."""
+    """Whether the rope channels are stored as interleaved pairs: DeepseekV2 always, V3 unless rope_interleave=false."""
     return hf_family(hf) == V2 or bool(hf.get("rope_interleave", True))
 
 
@@ -337,9 +337,10 @@ def config_from_hf(hf: Mapping) -> dict:
     kw["seq_length"] = kw.get("original_max_position_embeddings", kw["max_position_embeddings"])
     if family == V3:
         n_group = int(hf.get("n_group") or 1)
+        grouped = n_group > 1  # one group is plain top-k
         kw.update(scoring_func="sigmoid", moe_router_enable_expert_bias=True,
                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                  n_group=n_group if n_group > 1 else 0, topk_group=int(hf.get("topk_group") or 1) if n_group > 1 else 0)
+                  n_group=n_group if grouped else 0, topk_group=int(hf.get("topk_group") or 1) if grouped else 0)
     else:
         method = _require(hf, "topk_method", lambda v: v in ("greedy", "group_limited_greedy"),
                           "'greedy' or 'group_limited_greedy'", "greedy")
@@ -374,8 +375,8 @@ def hf_config_from(cfg: ModelConfig) -> dict:
         raise ConversionError("model.qk_layernorm=False: DeepSeek's MLA always normalises the q and kv latents")
     shared = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts
     if shared % cfg.moe_intermediate_size:
-        raise ConversionError(f"model.moe_shared_expert_intermediate_size: the shared expert's width {shared} must be a "
-                              f"multiple of moe_intermediate_size={cfg.moe_intermediate_size} for DeepSeek's config")
+        raise ConversionError(f"model.moe_shared_expert_intermediate_size: the shared expert's width {shared} must be "
+                              f"a multiple of moe_intermediate_size={cfg.moe_intermediate_size} for DeepSeek's config")
     hf = {
         "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
