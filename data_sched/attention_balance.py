@@ -9,9 +9,9 @@ micro-batch is mbs consecutive rows of it. Modes:
            longest-processing-time-first with the size limit, then swaps that lower the heaviest slot), and the
            slots are grouped into ranks of exactly mb slots the same way (this alone balances ranks when mbs = 1).
 - repack:  reorder, then move document pieces between slots: a piece of the most expensive slot trades places
-           with as many tokens of the cheapest slot's cheapest sample (its smallest pieces, the last one cut).
-           Every (input, label) token pair is kept exactly once; only where pieces sit, and one extra cut per move
-           at most, change.
+           with as many tokens of a cheap sample (its smallest pieces, the last one cut) from one of the coldest
+           slots. Every (input, label) token pair is kept exactly once; only where pieces sit, and one extra cut
+           per trade at most, change. Costlier than reorder: one small NumPy evaluation per trade.
 
 The output lists segments (source sample, start, length) per output sample; each segment is one document piece,
 so the output document lengths are the segment lengths. NumPy and deterministic; the seed only decides which
@@ -79,26 +79,43 @@ def _segment_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 # ---- equal-size partition minimising the largest sum ---------------------------------------------------------
 
 def partition_bound(costs: np.ndarray, parts: int) -> float:
-    """No equal-size partition beats the mean part, nor the part holding the largest item and the k-1 smallest."""
-    k = len(costs) // parts
-    srt = np.sort(costs)
-    return max(float(srt.sum()) / parts, float(srt[-1] + srt[:k - 1].sum()))
+    """A lower bound on the largest part of any partition into `parts` parts of k = n/parts items each.
+
+    Exact for k <= 2 (one item each; or pairs, where folding the sorted list, largest with smallest, is optimal).
+    Otherwise the best of: the mean part, and for t = 1..k the pigeonhole bound: among the (t-1)*parts + 1
+    largest items some part holds t, which cost at least the t smallest of them, plus the k-t smallest overall.
+    """
+    n = len(costs)
+    k = n // parts
+    desc = np.sort(np.asarray(costs, dtype=np.float64))[::-1]
+    if k == 1:
+        return float(desc[0])
+    if k == 2:
+        return float(np.max(desc[:parts] + desc[::-1][:parts]))
+    smallest = np.concatenate([[0.0], np.cumsum(desc[::-1])])      # smallest[m]: the m smallest items
+    prefix = np.concatenate([[0.0], np.cumsum(desc)])                # prefix[m]: the m largest items
+    t = np.arange(1, k + 1)
+    top = (t - 1) * parts + 1                                         # items that force t into one part
+    forced = prefix[top] - prefix[top - t]                           # the t smallest of those
+    return float(max(desc.sum() / parts, np.max(forced + smallest[k - t])))
 
 
 def _lpt(costs: np.ndarray, parts: int) -> np.ndarray:
     """Largest first, each to the lightest part that still has room -> members [parts, k]."""
     k = len(costs) // parts
     heap = [(0.0, p) for p in range(parts)]
-    members = np.empty((parts, k), dtype=np.int64)
     fill = [0] * parts
     values = costs.tolist()
+    slot = [0] * len(costs)
     for i in np.argsort(-costs, kind="stable").tolist():
-        load, p = heapq.heappop(heap)
-        members[p, fill[p]] = i
+        load, p = heap[0]
+        slot[i] = p
         fill[p] += 1
         if fill[p] < k:
-            heapq.heappush(heap, (load + values[i], p))
-    return members
+            heapq.heapreplace(heap, (load + values[i], p))
+        else:
+            heapq.heappop(heap)
+    return np.argsort(np.array(slot, dtype=np.int64), kind="stable").reshape(parts, k)
 
 
 def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: int) -> np.ndarray:
@@ -165,8 +182,8 @@ class _Pieces:
 
     @classmethod
     def of(cls, samples_doc_lens: Sequence[np.ndarray]) -> "_Pieces":
-        counts = np.fromiter((len(x) for x in samples_doc_lens), dtype=np.int64, count=len(samples_doc_lens))
-        lengths = np.concatenate([np.asarray(x, dtype=np.int64) for x in samples_doc_lens])
+        counts = np.fromiter(map(len, samples_doc_lens), dtype=np.int64, count=len(samples_doc_lens))
+        lengths = np.concatenate(samples_doc_lens).astype(np.int64, copy=False)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         sample = np.repeat(np.arange(len(counts)), counts)
         start = np.cumsum(lengths) - lengths
@@ -196,40 +213,59 @@ def _slot_costs(pieces: _Pieces, cost: CostModel, seq: int, slots: int) -> np.nd
     return per_sample.reshape(slots, -1).sum(axis=1)
 
 
-def _repack_moves(pieces: _Pieces, mbs: int, max_moves: int) -> _Pieces:
-    """Trade a piece of the hottest slot for as many tokens of the coldest slot's cheapest sample, while the
-    larger of the two slots' sum of squared lengths falls (the token and sample terms do not move)."""
+def _best_trade(hot: np.ndarray, cold: np.ndarray, h_sq: float, c_sq: float):
+    """Best trade of one hot piece for as many tokens of a cold sample's smallest pieces (the last one cut).
+
+    Returns (worst of the two new slot sums, hot row, whole cold pieces taken, tokens cut) or None.
+    """
+    q = cold[:, 2].astype(np.float64)
+    q_len, q_sq = np.cumsum(q), np.cumsum(q * q)
+    lp = hot[:, 2].astype(np.float64)
+    whole = np.searchsorted(q_len, lp, side="right")            # cold pieces taken whole
+    prev = np.maximum(whole - 1, 0)
+    taken_len = np.where(whole > 0, q_len[prev], 0.0)
+    taken_sq = np.where(whole > 0, q_sq[prev], 0.0)
+    cut = lp - taken_len                                        # tokens cut off the next cold piece
+    nxt = q[np.minimum(whole, len(q) - 1)]
+    new_h = h_sq - lp ** 2 + taken_sq + cut ** 2
+    new_c = c_sq + lp ** 2 - taken_sq + np.where(cut > 0, (nxt - cut) ** 2 - nxt ** 2, 0.0)
+    worst = np.maximum(new_h, new_c)
+    best = int(np.argmin(worst))
+    if not worst[best] < h_sq * (1 - 1e-9):
+        return None
+    return float(worst[best]), best, int(whole[best]), int(cut[best])
+
+
+def _repack_moves(pieces: _Pieces, mbs: int, max_moves: int, cold_slots: int = 4) -> _Pieces:
+    """Trade a piece of the hottest slot for as many tokens of a cold sample, while the hotter of the two slots'
+    sums of squared lengths falls (the token and sample terms do not move). Cold samples are tried from the
+    `cold_slots` coldest slots, cheapest sample first, until one trade helps; none helping ends the search."""
     samples = pieces.split()
     sq = pieces.sum_sq()
     slots = len(samples) // mbs
     slot_sq = sq.reshape(slots, mbs).sum(axis=1)
     longest_sq = float(pieces.rows[:, 2].max()) ** 2
     for _ in range(max_moves):
-        h, c = int(np.argmax(slot_sq)), int(np.argmin(slot_sq))
-        if slot_sq[h] <= max(float(slot_sq.mean()), longest_sq) * (1 + REFINE_TOLERANCE):
+        h = int(np.argmax(slot_sq))
+        if slot_sq[h] <= max(slot_sq.sum() / slots, longest_sq) * (1 + REFINE_TOLERANCE):
             break
-        cs = c * mbs + int(np.argmin(sq[c * mbs:(c + 1) * mbs]))
-        cold = samples[cs][np.argsort(samples[cs][:, 2], kind="stable")]
-        q = cold[:, 2].astype(np.float64)
-        q_len, q_sq = np.cumsum(q), np.cumsum(q * q)
         hot_rows = samples[h * mbs:(h + 1) * mbs]
         hot_sample = np.repeat(np.arange(h * mbs, (h + 1) * mbs), [len(r) for r in hot_rows])
         hot = np.concatenate(hot_rows)
-        lp = hot[:, 2].astype(np.float64)
-        whole = np.searchsorted(q_len, lp, side="right")            # cold pieces taken whole
-        prev = np.maximum(whole - 1, 0)
-        taken_len = np.where(whole > 0, q_len[prev], 0.0)
-        taken_sq = np.where(whole > 0, q_sq[prev], 0.0)
-        cut = lp - taken_len                                        # tokens cut off the next cold piece
-        nxt = q[np.minimum(whole, len(q) - 1)]
-        new_h = slot_sq[h] - lp ** 2 + taken_sq + cut ** 2
-        new_c = slot_sq[c] + lp ** 2 - taken_sq + np.where(cut > 0, (nxt - cut) ** 2 - nxt ** 2, 0.0)
-        worst = np.maximum(new_h, new_c)
-        best = int(np.argmin(worst))
-        if not worst[best] < slot_sq[h] * (1 - 1e-9):
+        trade = None
+        coldest = np.argpartition(slot_sq, min(cold_slots, slots) - 1)[:cold_slots]
+        for c in coldest[np.lexsort((coldest, slot_sq[coldest]))].tolist():
+            for cs in (c * mbs + np.argsort(sq[c * mbs:(c + 1) * mbs], kind="stable")).tolist():
+                cold = samples[cs][np.argsort(samples[cs][:, 2], kind="stable")]
+                trade = _best_trade(hot, cold, float(slot_sq[h]), float(slot_sq[c]))
+                if trade:
+                    break
+            if trade:
+                break
+        if trade is None:
             break
+        _, best, n_whole, x = trade
         hs = int(hot_sample[best])
-        n_whole, x = int(whole[best]), int(cut[best])
         moved, keep = cold[:n_whole], cold[n_whole:].copy()
         if x:
             src, st, ln = keep[0]
@@ -277,16 +313,21 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
 
 def lower_bounds(samples_doc_lens: Sequence[np.ndarray], dp: int, micro_batch_num: int,
                  cost_model: CostModel) -> dict[str, float]:
-    """Lower bounds on the largest slot cost: the mean slot; reorder: the slot holding the most expensive sample
-    and the cheapest others; repack: the slot holding the longest piece, which repacking never cuts by choice
-    (the rest of that slot costs at least its token and sample terms)."""
+    """Lower bounds on the largest slot cost. mean: the average slot. reorder: `partition_bound` of the sample
+    costs. repack: the slot holding the longest document piece, filled up with the batch's smallest pieces (one
+    cut at the margin), since repacking cuts pieces only where a trade needs it."""
     slots = dp * micro_batch_num
     mbs = len(samples_doc_lens) // slots
     pieces = _Pieces.of(samples_doc_lens)
     seq = float(np.sum(samples_doc_lens[0]))
-    costs = cost_model.a * pieces.sum_sq() + cost_model.b * seq + cost_model.c
+    fixed = cost_model.b * seq + cost_model.c
+    costs = cost_model.a * pieces.sum_sq() + fixed
     mean = float(costs.sum()) / slots
-    longest = float(pieces.rows[:, 2].max())
+    lens = np.sort(pieces.rows[:, 2].astype(np.float64))
+    longest, rest = lens[-1], lens[:-1]
+    room = mbs * seq - longest
+    whole = int(np.searchsorted(np.cumsum(rest), room, side="right"))
+    filled = float(np.sum(rest[:whole] ** 2)) + (room - float(np.sum(rest[:whole]))) ** 2
     return {"mean": mean,
-            "reorder": partition_bound(costs, slots),
-            "repack": max(mean, cost_model.a * longest ** 2 + mbs * (cost_model.b * seq + cost_model.c))}
+            "reorder": max(mean, partition_bound(costs, slots)),
+            "repack": max(mean, cost_model.a * (longest ** 2 + filled) + mbs * fixed)}

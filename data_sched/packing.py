@@ -37,6 +37,24 @@ class PackedSamples:
         return [self.sample_doc_lens(i) for i in range(len(self))]
 
 
+def pack_lengths(segment_lengths: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Document lengths per sample from segment lengths (document + EOD) alone: (doc_offsets, doc_lens).
+
+    The length-only half of `pack_documents`, for planning and benchmarks that never hold the tokens.
+    """
+    seg_ends = np.cumsum(np.asarray(segment_lengths, dtype=np.int64))
+    total = int(seg_ends[-1]) if len(seg_ends) else 0
+    num = (total - 1) // seq_length if total > seq_length else 0
+    covered = num * seq_length
+    # Every cut (document end or sample start) inside the input positions splits a piece; pieces never straddle.
+    cuts = np.union1d(seg_ends[seg_ends < covered], np.arange(num, dtype=np.int64) * seq_length)
+    cuts = np.append(cuts, covered)
+    piece_sample = cuts[:-1] // seq_length
+    offsets = np.zeros(num + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(np.bincount(piece_sample, minlength=num))
+    return offsets, np.diff(cuts).astype(np.int32)
+
+
 def pack_documents(docs: list[np.ndarray], seq_length: int, eod_id: int) -> PackedSamples:
     """Concatenate `docs` (each + EOD) and cut into samples of seq_length+1 tokens; see the module docstring."""
     if seq_length < 1:
@@ -46,20 +64,13 @@ def pack_documents(docs: list[np.ndarray], seq_length: int, eod_id: int) -> Pack
     seg_ends = np.cumsum(seg_lens)
     for doc, end, n in zip(docs, seg_ends, seg_lens):
         stream[end - n:end - 1] = doc
-    num = (len(stream) - 1) // seq_length if len(stream) > seq_length else 0
-    if num == 0:
+    if len(stream) <= seq_length:
         raise DataError(f"corpus too small: {len(stream)} tokens cannot fill one sample of seq_length={seq_length}"
                         f" (+1 for the labels)")
+    offsets, piece_lens = pack_lengths(seg_lens, seq_length)
+    num = len(offsets) - 1
     covered = num * seq_length
-    starts = np.arange(num, dtype=np.int64) * seq_length
     tokens = np.lib.stride_tricks.sliding_window_view(stream[:covered + 1], seq_length + 1)[::seq_length].copy()
-    # Every cut (document end or sample start) inside the input positions splits a piece; pieces never straddle.
-    cuts = np.union1d(np.concatenate([[0], seg_ends[seg_ends < covered]]), starts)
-    cuts = np.append(cuts, covered)
-    piece_lens = np.diff(cuts).astype(np.int32)
-    piece_sample = cuts[:-1] // seq_length
-    offsets = np.zeros(num + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(np.bincount(piece_sample, minlength=num))
     return PackedSamples(tokens=tokens, doc_offsets=offsets, doc_lens=piece_lens,
                          dropped_tokens=int(len(stream) - covered - 1))
 
