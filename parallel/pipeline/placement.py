@@ -89,14 +89,13 @@ class Placement:
         return tuple(map(tuple, fwd)), tuple(map(tuple, bwd))
 
     def describe(self) -> str:
+        """One line per stage: time relative to the mean stage, memory in GiB, the units of each chunk."""
+        mean = sum(self.stage_time) / self.stages
         rows = []
         for s in range(self.stages):
-            parts = []
-            for c in range(self.chunks):
-                seg = self.segments[c * self.stages + s]
-                parts.append(_compact(seg))
-            rows.append(f"stage {s:>2}: time {self.stage_time[s]:.3g}  mem {self.stage_memory[s]:.3g}  "
-                        + " | ".join(parts))
+            parts = [_compact(self.segments[c * self.stages + s]) for c in range(self.chunks)]
+            rows.append(f"stage {s:>2}: time {self.stage_time[s] / mean:5.3f} x mean  "
+                        f"memory {self.stage_memory[s] / 2 ** 30:7.2f} GiB  " + " | ".join(parts))
         return "\n".join(rows)
 
 
@@ -193,7 +192,7 @@ def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
 
 
 def balance(units, stages: int, chunks: int, options: PlacementOptions = PlacementOptions(),
-            in_flight=None, time_limit: float = 60.0) -> Placement:
+            in_flight=None, time_limit: float = 60.0, tie_break_nodes: int = 500) -> Placement:
     """Exact min-max placement: minimise the slowest stage's time subject to every stage's memory <= the limit,
     every segment non-empty, and the MTP options.
 
@@ -230,6 +229,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     # per internal cut k and run r: in_run (binary), offset inside the run (integer)
     cut_vars = {(k, r): (var(1.0), var(length - 1.0)) for k in range(1, segs) for r, (_, length) in enumerate(runs)}
     z = var(np.inf, integer=False)
+    floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the second pass
 
     def at(k: int, what: str) -> tuple[dict[int, float], float]:
         """prefix[what] at cut k as a linear expression (coefficients, constant)."""
@@ -263,8 +263,9 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         add([(1.0, at(k + 1, "pos")), (-1.0, at(k, "pos"))], 1.0, np.inf)
     for s in range(stages):
         ks = [c * stages + s for c in range(chunks)]
-        add([(sign, at(k + d, "t")) for k in ks for sign, d in ((1.0, 1), (-1.0, 0))] + [(-1.0, ({z: 1.0}, 0.0))],
-            -np.inf, 0.0)
+        stage_time = [(sign, at(k + d, "t")) for k in ks for sign, d in ((1.0, 1), (-1.0, 0))]
+        add(stage_time + [(-1.0, ({z: 1.0}, 0.0))], -np.inf, 0.0)
+        add(stage_time + [(-1.0, ({floor: 1.0}, 0.0))], 0.0, np.inf)
         if math.isfinite(options.memory_limit):
             terms = []
             for c, k in enumerate(ks):
@@ -290,16 +291,31 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         for j, v in acc.items():
             mat[i, j] = v
         lo[i], hi[i] = low, up
+    constraints = LinearConstraint(mat.tocsr(), lo, hi)
+    bounds = Bounds(np.zeros(nv), np.array(upper))
+
+    def solve(cost: np.ndarray, bounds: Bounds, limits: dict, prove: bool):
+        res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds, options=limits)
+        if res.x is None:
+            why = "memory_limit" if math.isfinite(options.memory_limit) else "the MTP and non-empty-segment constraints"
+            raise PlacementError(f"no placement of {n} units on {stages} stages x {chunks} chunks satisfies {why} "
+                                 f"({res.message})")
+        if prove and res.status != 0:
+            raise PlacementError(f"placement solver stopped before proving optimality: {res.message}")
+        return res
+
     cost = np.zeros(nv)
     cost[z] = 1.0
-    res = milp(cost, constraints=LinearConstraint(mat.tocsr(), lo, hi), integrality=np.array(integrality),
-               bounds=Bounds(np.zeros(nv), np.array(upper)), options={"time_limit": time_limit})
-    if res.x is None:
-        why = "memory_limit" if math.isfinite(options.memory_limit) else "the MTP and non-empty-segment constraints"
-        raise PlacementError(f"no placement of {n} units on {stages} stages x {chunks} chunks satisfies {why} "
-                             f"({res.message})")
-    if res.status != 0:
-        raise PlacementError(f"placement solver stopped before proving optimality: {res.message}")
+    slowest = solve(cost, bounds, {"time_limit": time_limit}, prove=True).x[z]
+    # second pass, a tie-break: among the placements with that slowest stage, raise the fastest one, so that the
+    # other stages do not keep whatever uneven split the first pass returned. Its best within a node budget will
+    # do (a node budget, not a time limit, so that the answer does not depend on the machine's speed).
+    upper_z = np.array(upper)
+    upper_z[z] = slowest * (1 + 1e-9) + 1e-12
+    cost = np.zeros(nv)
+    cost[floor] = -1.0
+    res = solve(cost, Bounds(np.zeros(nv), upper_z), {"node_limit": tie_break_nodes, "time_limit": time_limit},
+                prove=False)
     x = np.round(res.x)
     cuts = []
     for k in range(segs + 1):

@@ -56,6 +56,7 @@ class Interval:
     end: float
     kind: str  # "F", "B", "FB" (overlapped pair) or "p2p" (blocking send)
     actions: tuple[Action, ...]
+    compute: float = 0.0  # of end - start, the part spent computing; the rest waited on communication
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         end = ready + duration
         compute[s] += sum(c)
         exposed[s] += duration - sum(c)
-        intervals.append(Interval(s, ready, end, "".join(a.kind.value for a in slot), slot))
+        intervals.append(Interval(s, ready, end, "".join(a.kind.value for a in slot), slot, sum(c)))
         for a in slot:
             start_of[(s, a)] = ready
             finish[(s, a)] = end
@@ -145,7 +146,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
 
 def gantt(result: SimResult, path: str, title: str | None = None) -> None:
     """Write a Gantt chart PNG: one row per stage, colour per chunk, light forward, dark backward; an overlapped
-    pair is drawn as a forward half over a backward half; blocking sends hatched grey."""
+    pair is drawn as a forward half over a backward half; exposed communication and blocking sends hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,6 +171,9 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
             alpha = 0.45 if a.kind is Kind.F else 1.0
             ax.broken_barh([(iv.start, width)], band, facecolors=[color], alpha=alpha, edgecolor="black",
                            linewidth=0.4)
+            if width - iv.compute > 1e-12:  # the stream waited on this pass's communication
+                ax.broken_barh([(iv.start + iv.compute, width - iv.compute)], band, facecolors="none",
+                               hatch="xxx", edgecolor="white", linewidth=0)
             if width > 0.012 * result.step_time:
                 ax.text(iv.start + width / 2, band[0] + band[1] / 2, str(a.microbatch), ha="center",
                         va="center", fontsize=6 if len(iv.actions) == 2 else 7)
@@ -179,9 +183,11 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
     ax.set_xlabel("time")
     legend = [Patch(facecolor=cmap(c % 10), alpha=0.45, label=f"F chunk {c}") for c in range(sched.chunks)]
     legend += [Patch(facecolor=cmap(c % 10), label=f"B chunk {c}") for c in range(sched.chunks)]
+    if any(iv.kind != "p2p" and iv.end - iv.start - iv.compute > 1e-12 for iv in result.intervals):
+        legend.append(Patch(facecolor="grey", hatch="xxx", edgecolor="white", label="exposed all-to-all"))
     if any(iv.kind == "p2p" for iv in result.intervals):
-        legend.append(Patch(facecolor="lightgrey", hatch="///", label="blocking send"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(6, len(legend)),
+        legend.append(Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="blocking send"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(7, len(legend)),
               fontsize=7, frameon=False)
     ax.set_title(title or f"{sched.name}: p={sched.stages} v={sched.chunks} m={sched.microbatches}  "
                  f"step {result.step_time:.2f}  bubble {100 * result.bubble_ratio:.1f}%", fontsize=9)
