@@ -73,10 +73,10 @@ def main(argv=None) -> int:
             raise RecipeError("parallel_config: on CPU only data_parallel runs (tensor, pipeline, expert and context "
                               "parallelism need the Ascend engine); use --dry-run to plan this layout")
         check_writable(recipe.output_dir)
+        from telechat_moe.trainer import Trainer, configure_mindspore
+        configure_mindspore(recipe)     # before communication init: MindSpore fixes the device there
         rank, world = distributed_world(p.data_parallel)
         validate(recipe, world)
-        from telechat_moe.trainer import Trainer, configure_mindspore
-        configure_mindspore(recipe)
         trainer = Trainer(recipe, rank, world)
         if args.resume:
             trainer.resume()

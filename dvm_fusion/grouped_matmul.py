@@ -20,7 +20,7 @@ def _segments(group_sizes):
 
 
 def grouped_matmul_numpy(x, w, group_sizes):
-    out = np.zeros((x.shape[0], w.shape[2]), dtype=x.dtype)
+    out = np.empty((x.shape[0], w.shape[2]), dtype=x.dtype)
     for e, a, b in _segments(group_sizes):
         if b > a:
             np.matmul(x[a:b], w[e], out=out[a:b])
@@ -28,7 +28,7 @@ def grouped_matmul_numpy(x, w, group_sizes):
 
 
 def grouped_matmul_dx_numpy(dy, w, group_sizes):
-    out = np.zeros((dy.shape[0], w.shape[1]), dtype=dy.dtype)
+    out = np.empty((dy.shape[0], w.shape[1]), dtype=dy.dtype)
     for e, a, b in _segments(group_sizes):
         if b > a:
             np.matmul(dy[a:b], w[e].T, out=out[a:b])

@@ -14,8 +14,8 @@ What moves besides names:
   so every q.k score, and with it the model, is unchanged.
 - MTP: DeepSeek-V3 keeps depth d as decoder layer num_hidden_layers + d with enorm, hnorm, eh_proj,
   shared_head.norm and copies of the embedding and output head. Its eh_proj reads [enorm(embedding) |
-  hnorm(hidden)] (DeepSeek's, vLLM's and Megatron's MTP); our MTPBlock concatenates [hidden | embedding], so the
-  two column halves swap. transformers' classes do not run MTP; the converter still carries it.
+  hnorm(hidden)] (DeepSeek's, vLLM's and Megatron's MTP), as our MTPBlock does, so it copies over unchanged.
+  transformers' classes do not run MTP; the converter still carries it.
 - The sigmoid router's `e_score_correction_bias` is our `expert_bias`; DeepseekV2 has none (zeros here).
 
 Config keys map in `config_from_hf` / `hf_config_from`; where a transformers class computes something our model
@@ -50,8 +50,7 @@ class Rule:
     """One tensor. scope: 'model' (absolute names), 'block' (any decoder layer), 'dense' / 'moe' (decoder layers of
     that kind), 'mtp' (the MTP wrapper around a block). `{e}` in `hf` stands for a routed expert index.
     move: copy | q_rope_rows / kv_rope_rows (de-interleave the rope rows) | expert_gate / expert_up / expert_down
-    (one expert's slice of w1 / w2, transposed) | expert_bias (absent in DeepseekV2: zeros) | swap_halves (eh_proj
-    columns) | shared / tied (HF holds a copy of one of our tensors: checked equal, written back as a copy)."""
+    (one expert's slice of w1 / w2, transposed) | expert_bias (absent in DeepseekV2: zeros) | shared / tied (HF holds a copy of one of our tensors: checked equal, written back as a copy)."""
     scope: str
     hf: str
     ours: str
@@ -114,7 +113,7 @@ RULES = (
          lambda c: (c.hidden_size, _shared_i(c))),
     Rule("mtp", "enorm.weight", "enorm.weight", _h),
     Rule("mtp", "hnorm.weight", "hnorm.weight", _h),
-    Rule("mtp", "eh_proj.weight", "eh_proj.weight", lambda c: (c.hidden_size, 2 * c.hidden_size), "swap_halves"),
+    Rule("mtp", "eh_proj.weight", "eh_proj.weight", lambda c: (c.hidden_size, 2 * c.hidden_size)),
     Rule("mtp", "shared_head.norm.weight", "norm.weight", _h),
     # DeepSeek-V3 stores the embedding and head the MTP module shares with the main model once more.
     Rule("mtp", "embed_tokens.weight", "embed_tokens", _vh, "shared"),
@@ -214,8 +213,6 @@ def hf_to_ours(hf: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3,
             continue  # checked once every main tensor is in
         if e.move in ("q_rope_rows", "kv_rope_rows") and rope_interleaved:
             ours[e.ours] = src[_rope_rows(cfg, e.move, src.shape[0])]
-        elif e.move == "swap_halves":
-            ours[e.ours] = _swap_halves(src)
         else:
             ours[e.ours] = src
     for e in table:
@@ -242,8 +239,6 @@ def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V
         if e.move in ("q_rope_rows", "kv_rope_rows"):
             out = np.empty_like(src)
             out[_rope_rows(cfg, e.move, src.shape[0])] = src
-        elif e.move == "swap_halves":
-            out = _swap_halves(src)
         elif e.move == "expert_gate":
             out = np.ascontiguousarray(src[e.expert, :, :inter].T)
         elif e.move == "expert_up":
@@ -256,11 +251,6 @@ def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V
             out = src
         hf[e.hf] = out
     return hf
-
-
-def _swap_halves(w: np.ndarray) -> np.ndarray:
-    half = w.shape[1] // 2
-    return np.concatenate([w[:, half:], w[:, :half]], axis=1)
 
 
 def hf_rope_interleaved(hf: Mapping) -> bool:

@@ -12,6 +12,13 @@ def ms_dtype(name: str):
     return DTYPES[name]
 
 
+def logsumexp(x, axis: int = -1):
+    """log(sum(exp(x))) with the max shift outside the gradient: the same value and gradient as the textbook
+    form, without differentiating through ReduceMax (which costs an argmax-mask pass over the whole vocabulary)."""
+    m = ops.stop_gradient(x.max(axis, keepdims=True))
+    return (m + ops.log(ops.exp(x - m).sum(axis, keepdims=True))).squeeze(axis)
+
+
 class RMSNorm(nn.Cell):
     """Computed in float32 whatever the compute dtype, as in MindFormers and transformers."""
 

@@ -13,7 +13,7 @@ from mindspore.common.initializer import Normal, initializer
 
 from dvm_fusion.grouped_matmul import grouped_matmul_for
 from telechat_moe.config import ModelConfig
-from telechat_moe.layers import Linear, RMSNorm, SwiGLU, ms_dtype
+from telechat_moe.layers import Linear, RMSNorm, SwiGLU, logsumexp, ms_dtype
 from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
 from telechat_moe.moe.layer import MoELayer
 from telechat_moe.mtp import MTPBlock
@@ -90,7 +90,7 @@ class TeleChatMoE(nn.Cell):
     def cross_entropy(logits, labels, mask):
         """Mean over masked-in positions of -log softmax(logits)[label], in float32."""
         labels = labels.reshape(-1, 1)
-        nll = ops.logsumexp(logits, -1) - ops.gather_elements(logits, 1, labels).squeeze(-1)
+        nll = logsumexp(logits, -1) - ops.gather_elements(logits, 1, labels).squeeze(-1)
         mask = mask.reshape(-1).astype(ms.float32)
         return (nll * mask).sum() / ops.maximum(mask.sum(), 1.0)
 

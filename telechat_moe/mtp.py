@@ -1,5 +1,6 @@
 """Multi-token prediction, depth 1 (DeepSeek-V3): from the main model's last hidden state at position i and the
-embedding of token i+1, one extra decoder block predicts token i+2 through the shared output head."""
+embedding of token i+1, one extra decoder block predicts token i+2 through the shared output head.
+The projection sees [embedding | hidden], the order of DeepSeek's checkpoints, Megatron and vLLM."""
 from __future__ import annotations
 
 from mindspore import nn, ops
@@ -18,6 +19,6 @@ class MTPBlock(nn.Cell):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def construct(self, hidden, next_embeds, cos, sin, bias):
-        h = self.eh_proj(ops.cat((self.hnorm(hidden), self.enorm(next_embeds)), -1))
+        h = self.eh_proj(ops.cat((self.enorm(next_embeds), self.hnorm(hidden)), -1))
         h, aux, z, load = self.block(h, cos, sin, bias)
         return self.norm(h), aux, z, load

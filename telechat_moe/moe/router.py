@@ -12,6 +12,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from telechat_moe.config import ModelConfig
+from telechat_moe.layers import logsumexp
 
 
 class TopKRouter(nn.Cell):
@@ -25,6 +26,7 @@ class TopKRouter(nn.Cell):
         self.expert_bias = Parameter(Tensor(np.zeros(e, np.float32)), name="expert_bias", requires_grad=False)
         self.matmul = ops.MatMul(transpose_b=True)
         self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+        self.zero = Tensor(0.0, ms.float32)
 
     def _choice_scores(self, scores):
         choice = scores
@@ -59,7 +61,9 @@ class TopKRouter(nn.Cell):
         selected = ops.one_hot(indices, self.num_experts, self.on_value, self.off_value).sum(1)  # [T, E]
         load = selected.sum(0)
         aux = self._sequence_aux_loss(scores, selected, batch)
-        z = ops.mean(ops.square(ops.logsumexp(logits, -1))) * self.cfg.moe_z_loss_coeff
+        z = self.zero
+        if self.cfg.moe_z_loss_coeff > 0:
+            z = ops.mean(ops.square(logsumexp(logits, -1))) * self.cfg.moe_z_loss_coeff
         return indices.astype(ms.int32), weights, aux, z, ops.stop_gradient(load)
 
     def _sequence_aux_loss(self, scores, selected, batch: int):
