@@ -1,0 +1,224 @@
+"""Parallel strategy planner: `python -m parallel.plan --recipe 1t.yaml --devices 4096 --cluster ascend910b`.
+
+Scores every valid layout of the recipe's model on the cluster, balances the best by ILP, prints the top ones,
+and optionally writes the pick into a recipe (`--write`), draws step time against memory (`--png`), or scores one
+given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). Bad input: one line on stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from parallel.layout import LayoutError, ParallelLayout
+from parallel.planner.cluster import ClusterError, load_cluster
+from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Precision, Workload, evaluate
+from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
+from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_recipe
+from parallel.planner.search import SearchSpace, search
+from parallel.planner.simulate import simulate_layout
+from parallel.planner.stage_ilp import even_assignment, score_assignment, solve_ilp
+
+DTYPES = {"float32": ("fp32", 4), "bfloat16": ("bf16", 2), "float16": ("fp16", 2)}
+EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
+
+
+class PlanError(ValueError):
+    """Bad input to the planner; the message is the one line the user sees."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2
+        print(f"parallel.plan: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def read_recipe(path: str):
+    """The recipe through the trainer's own loader (base: inheritance, validation): entry points sit on top."""
+    from telechat_moe.recipe import RecipeError, find_recipe, load_recipe
+
+    try:
+        return load_recipe(path), find_recipe(path)
+    except RecipeError as e:
+        raise PlanError(str(e)) from None
+
+
+def parse_layout(text: str, w: Workload, recipe) -> dict:
+    """`tp=8,pp=16,...` into a layout row; dp and m follow from devices and global batch when not given."""
+    given = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in EVALUATE_KEYS:
+            raise PlanError(f"--evaluate: {item!r} is not key=value with key in {', '.join(EVALUATE_KEYS)}")
+        given[key] = value.strip()
+    ints = {}
+    for key in ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m"):
+        if key in given:
+            if not given[key].isdigit() or int(given[key]) < 1:
+                raise PlanError(f"--evaluate: {key} expects a positive integer, got {given[key]!r}")
+            ints[key] = int(given[key])
+    tp, pp = ints.get("tp", 1), ints.get("pp", 1)
+    if w.devices % (tp * pp):
+        raise PlanError(f"--evaluate: tp*pp = {tp * pp} does not divide --devices {w.devices}")
+    dp = ints.get("dp", w.devices // (tp * pp))
+    mbs = ints.get("mbs", 1)
+    if "m" in ints:
+        m = ints["m"]
+    elif w.global_batch % (dp * mbs):
+        raise PlanError(f"--evaluate: global batch {w.global_batch} is not divisible by dp*mbs = {dp * mbs}")
+    else:
+        m = w.global_batch // (dp * mbs)
+    if dp * mbs * m != w.global_batch:
+        raise PlanError(f"--evaluate: dp*mbs*m = {dp}*{mbs}*{m} = {dp * mbs * m}, but the global batch is "
+                        f"{w.global_batch}")
+    rc_default = "full" if recipe.recompute_config.recompute else (
+        "selective" if recipe.recompute_config.select_recompute else "none")
+    choices = {"recompute": (given.get("recompute", rc_default), RECOMPUTE),
+               "ep_scheme": (given.get("ep_scheme", "hierarchical" if recipe.model.moe_token_dispatcher_type ==
+                                       "hierarchical" else "flat"), EP_SCHEMES),
+               "ep_overlap": (given.get("ep_overlap", "0"), ("0", "1", "false", "true"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise PlanError(f"--evaluate: {key} expects one of {', '.join(allowed)}, got {value!r}")
+    layout = {"tp": tp, "pp": pp, "vpp": ints.get("vpp", 1), "dp": dp, "ep": ints.get("ep", 1),
+              "etp": ints.get("etp", 1), "mbs": mbs, "m": m, "recompute": choices["recompute"][0],
+              "ep_scheme": choices["ep_scheme"][0], "ep_overlap": choices["ep_overlap"][0] in ("1", "true")}
+    try:
+        ParallelLayout(dp=dp, tp=tp, pp=pp, vpp=layout["vpp"], ep=layout["ep"], etp=layout["etp"], sp=tp > 1,
+                       micro_batch_num=m, devices_per_node=w.cluster.devices_per_node).validate(w.devices)
+    except LayoutError as e:
+        raise PlanError(f"--evaluate: {e}") from None
+    s = w.shape
+    for ok, message in ((s.num_heads % tp == 0, f"tp={tp} does not divide the {s.num_heads} attention heads"),
+                        (s.num_routed_experts % layout["ep"] == 0,
+                         f"ep={layout['ep']} does not divide the {s.num_routed_experts} routed experts"),
+                        (s.num_layers >= pp * layout["vpp"],
+                         f"pp*vpp = {pp * layout['vpp']} chunks for only {s.num_layers} layers"),
+                        (tp <= w.cluster.devices_per_node,
+                         f"tp={tp} spans more than one node of {w.cluster.devices_per_node} devices")):
+        if not ok:
+            raise PlanError(f"--evaluate: {ok or message}")
+    return layout
+
+
+def build_workload(args, recipe) -> Workload:
+    try:
+        cluster = load_cluster(args.cluster)
+    except ClusterError as e:
+        raise PlanError(str(e)) from None
+    shape = recipe.model.to_model_shape()
+    seq = args.seq or recipe.model.seq_length
+    dtype = args.dtype or DTYPES[recipe.model.compute_dtype][0]
+    if dtype not in cluster.peak_flops:
+        raise PlanError(f"--dtype: cluster {cluster.name} has no peak for {dtype} (has "
+                        f"{', '.join(sorted(cluster.peak_flops))}); pass --dtype")
+    act_bytes = 4 if dtype == "fp32" else 2
+    param_bytes = DTYPES[recipe.model.params_dtype][1]
+    precision = Precision(matmul_dtype=dtype, activation_bytes=act_bytes, param_bytes=param_bytes,
+                          grad_bytes=param_bytes, optimizer_bytes=8)
+    shape = type(shape)(**{**shape.__dict__, "seq_length": seq})
+    return Workload(shape, cluster, args.devices, seq, args.global_batch or recipe.training.global_batch_size,
+                    precision, shard_optimizer=recipe.parallel_config.optimizer_shard)
+
+
+def progress(label: str):
+    def report(done: int, total: int) -> None:
+        print(f"\r{label} {done:,}/{total:,}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+    return report
+
+
+def run_evaluate(w: Workload, layout: dict) -> list[Candidate]:
+    even = evaluate(w, Layouts.single(**layout))
+    sim = simulate_layout(w, layout, even_assignment(w, layout))
+    print(f"layout {layout_text(layout)}")
+    print(f"  even split, analytic : step {even['step_time'][0]:.3f} s, {even['tokens_per_s_per_device'][0]:.1f} "
+          f"tokens/s/device, MFU {100 * even['mfu'][0]:.1f}%, peak memory {even['memory'][0] / GIB:.1f} GiB "
+          f"(usable {w.cluster.usable_memory / GIB:.1f}), bubble {100 * even['bubble'][0]:.1f}%")
+    print(f"  even split, simulated: step {sim.step_time:.3f} s, bubble {100 * sim.result.bubble_ratio:.1f}%, "
+          f"memory per stage (GiB) {[round(m / GIB, 1) for m in sim.memory_per_stage]}")
+    a = solve_ilp(w, layout)
+    if a is None:
+        print("  ILP: no layers/recompute assignment fits in memory")
+        return []
+    c = Candidate(layout, a, score_assignment(w, layout, a))
+    print(f"  ILP-balanced         : step {c.scores['step_time']:.3f} s, "
+          f"{c.scores['tokens_per_s_per_device']:.1f} tokens/s/device, MFU {100 * c.scores['mfu']:.1f}%, "
+          f"peak memory {c.scores['memory'] / GIB:.1f} GiB\n  {stage_text(c)}")
+    return [c]
+
+
+def run_search(w: Workload, space: SearchSpace, top: int):
+    result = search(w, space, progress=progress("scoring layouts"))
+    rate = result.scored / max(result.seconds, 1e-9) * 60
+    print(f"scored {result.scored:,} layouts (of {result.raw_size:,} combinations before pruning) in "
+          f"{result.seconds:.2f} s: {rate:,.0f} layouts/minute")
+    if result.scored == 0:
+        near = nearest_device_counts(w, space)
+        raise PlanError(f"--devices: no layout of this model divides {w.devices} devices with global batch "
+                        f"{w.global_batch}; nearest device counts with layouts: {', '.join(map(str, near)) or 'none'}")
+    t0 = time.perf_counter()
+    candidates = refine(w, result, top, progress=progress("ILP-balancing the best layouts"))
+    print(f"ILP-balanced {min(len(candidates), top)} of the best layouts in {time.perf_counter() - t0:.2f} s")
+    if not candidates:
+        least = float(result.scores["memory"].min())
+        more = devices_that_fit(w, space)
+        hint = f"; some layout fits on {more} devices" if more else ""
+        raise PlanError(f"the model fits nowhere: the leanest layout needs {least / GIB:.1f} GiB per device, "
+                        f"{w.cluster.name} has {w.cluster.usable_memory / GIB:.1f} GiB usable{hint}")
+    return result, candidates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="recipe file (1t.yaml finds recipes/1t.yaml)")
+    parser.add_argument("--devices", type=int, help="device count (default: the recipe's layout)")
+    parser.add_argument("--cluster", default="ascend910b", help="cluster name or YAML path (default ascend910b)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the recipe's)")
+    parser.add_argument("--global-batch", type=int, help="sequences per step (default: the recipe's)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"), help="GEMM dtype (default: recipe)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    parser.add_argument("--write", help="write the best layout into this recipe file (inherits --recipe)")
+    parser.add_argument("--evaluate", help="score one layout, e.g. tp=8,pp=16,vpp=2,ep=32,mbs=1,recompute=full")
+    parser.add_argument("--png", help="draw step time against memory for the scored layouts")
+    args = parser.parse_args(argv)
+    try:
+        for name in ("devices", "seq", "global_batch", "top"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise PlanError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+        recipe, recipe_path = read_recipe(args.recipe)
+        if args.write and recipe_path.resolve() == __import__("pathlib").Path(args.write).resolve():
+            raise PlanError("--write: refusing to overwrite the input recipe; name a new file")
+        args.devices = args.devices or recipe.layout.world_size
+        w = build_workload(args, recipe)
+        print(f"model {recipe.name}: {w.shape.num_layers} layers, {w.shape.num_routed_experts} experts top-"
+              f"{w.shape.top_k}; {w.devices} x {w.cluster.name} ({w.cluster.usable_memory / GIB:.1f} GiB usable), "
+              f"seq {w.seq_length}, global batch {w.global_batch}, GEMMs in {w.precision.matmul_dtype}")
+        if args.evaluate:
+            candidates = run_evaluate(w, parse_layout(args.evaluate, w, recipe))
+            result = None
+        else:
+            result, candidates = run_search(w, SearchSpace(), args.top)
+            print(table(candidates))
+            print(f"best: {layout_text(candidates[0].layout)}\n  {stage_text(candidates[0])}")
+            sim = simulate_layout(w, candidates[0].layout, candidates[0].assignment)
+            print(f"  event-driven simulator on the best: step {sim.step_time:.3f} s, bubble "
+                  f"{100 * sim.result.bubble_ratio:.1f}%, peak memory {max(sim.memory_per_stage) / GIB:.1f} GiB")
+        if args.png and result is not None:
+            plot(result, candidates, w, args.png)
+            print(f"wrote {args.png}")
+        if args.write:
+            if not candidates:
+                raise PlanError("--write: nothing to write, no layout fits")
+            command = "python -m parallel.plan " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+            write_recipe(args.write, recipe_path, candidates[0], w, command)
+            print(f"wrote {args.write}")
+    except (PlanError, OSError) as e:
+        print(f"parallel.plan: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

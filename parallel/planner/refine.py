@@ -1,0 +1,83 @@
+"""From the vectorised search to a ranked short list: per-stage layers and recompute by ILP for the best layouts,
+and the nearest feasible alternatives when nothing fits."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallel.planner.cost_model import RECOMPUTE, Workload
+from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
+from parallel.planner.simulate import simulate_layout
+from parallel.planner.stage_ilp import StageAssignment, score_assignment, solve_ilp
+
+NEAR_FIT = 1.3  # layouts up to this multiple of the memory limit may still fit once the ILP re-balances them
+
+
+@dataclass
+class Candidate:
+    layout: dict
+    assignment: StageAssignment
+    scores: dict
+
+
+def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = None, time_limit: float = 1.0,
+           progress=None) -> list[Candidate]:
+    """Balance the best `pool` distinct layouts per chunk by ILP (recompute is re-chosen per chunk, so layouts
+    that differ only in their uniform recompute collapse into one), check each with the event-driven simulator,
+    and return the `top` by simulated step time. Scores are the simulator's; 'analytic_step_time' is the ILP's
+    model of the same assignment."""
+    pool = pool or max(top + 2, 12)
+    sc, lay = result.scores, result.layouts
+    near = np.flatnonzero(sc["memory"] <= NEAR_FIT * w.cluster.usable_memory)
+    order = near[np.argsort(sc["step_time"][near], kind="stable")]
+    seen, picked = set(), []
+    for i in order:
+        row = lay.row(int(i))
+        key = tuple((k, v) for k, v in row.items() if k != "recompute")
+        if key not in seen:
+            seen.add(key)
+            picked.append(row)
+        if len(picked) == pool:
+            break
+    out = []
+    for n, row in enumerate(picked, 1):
+        a = solve_ilp(w, row, time_limit=time_limit)
+        if progress:
+            progress(n, len(picked))
+        if a is None:
+            continue
+        counts = [sum(a.recompute_per_stage(r)) for r in range(len(RECOMPUTE))]
+        row = {**row, "recompute": RECOMPUTE[int(np.argmax(counts))]}
+        sim = simulate_layout(w, row, a)
+        if sim.scores["memory"] > w.cluster.usable_memory:
+            continue
+        analytic = score_assignment(w, row, a)
+        scores = {**sim.scores, "analytic_step_time": analytic["step_time"], "memory_per_stage": sim.memory_per_stage}
+        out.append(Candidate(row, a, scores))
+    out.sort(key=lambda c: c.scores["step_time"])
+    return out[:top]
+
+
+def nearest_device_counts(w: Workload, space: SearchSpace, tries: int = 64) -> list[int]:
+    """Device counts near `w.devices` (multiples of the node size) that have at least one valid layout."""
+    step = w.cluster.devices_per_node if w.devices >= w.cluster.devices_per_node else 1
+    base = w.devices // step * step
+    below, above = [], []
+    for d in range(tries):
+        for n, bucket in ((base - d * step, below), (base + (d + 1) * step, above)):
+            if n >= 1 and not bucket and len(enumerate_layouts(dataclasses.replace(w, devices=n), space)[0]):
+                bucket.append(n)
+        if below and above:
+            break
+    return below + above
+
+
+def devices_that_fit(w: Workload, space: SearchSpace, factors=(2, 4, 8, 16)) -> int | None:
+    """The smallest multiple of the device count (by `factors`) on which some layout fits, or None."""
+    for f in factors:
+        r = search(dataclasses.replace(w, devices=w.devices * f), space)
+        if len(r.ranked()):
+            return w.devices * f
+    return None

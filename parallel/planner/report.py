@@ -1,0 +1,121 @@
+"""What the planner shows and writes: the ranked table, the step-time-vs-memory picture, a recipe with the pick."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from parallel.planner.cost_model import Workload
+from parallel.planner.refine import Candidate
+from parallel.planner.search import SearchResult
+
+GIB = 2 ** 30
+COLUMNS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m")
+
+
+def layout_text(layout: dict) -> str:
+    parts = [f"{k}={layout[k]}" for k in COLUMNS]
+    return ",".join(parts + [f"recompute={layout['recompute']}", f"ep_scheme={layout['ep_scheme']}",
+                             f"ep_overlap={int(layout['ep_overlap'])}"])
+
+
+def table(candidates: list[Candidate]) -> str:
+    head = (f"{'#':>3} " + " ".join(f"{c:>4}" for c in COLUMNS) + f" {'recompute':>9} {'ep comm':>12} {'ovl':>3}"
+            f" {'step s':>8} {'tok/s/dev':>9} {'MFU':>6} {'mem GiB':>8} {'bubble':>6}")
+    lines = [head]
+    for i, c in enumerate(candidates, 1):
+        lay, sc = c.layout, c.scores
+        lines.append(f"{i:>3} " + " ".join(f"{lay[k]:>4}" for k in COLUMNS)
+                     + f" {lay['recompute']:>9} {lay['ep_scheme']:>12} {int(lay['ep_overlap']):>3}"
+                     f" {sc['step_time']:>8.3f} {sc['tokens_per_s_per_device']:>9.1f} {100 * sc['mfu']:>5.1f}%"
+                     f" {sc['memory'] / GIB:>8.1f} {100 * sc['bubble']:>5.1f}%")
+    return "\n".join(lines)
+
+
+def stage_text(c: Candidate) -> str:
+    a = c.assignment
+    return (f"layers per stage {a.layers_per_stage} (per chunk {a.layers_per_chunk}); full recompute per stage {a.recompute_per_stage(2)}; "
+            f"selective per stage {a.recompute_per_stage(1)}; memory per stage (GiB) "
+            f"{[round(m / GIB, 1) for m in c.scores['memory_per_stage']]}")
+
+
+def plot(result: SearchResult, candidates: list[Candidate], w: Workload, path: str,
+         max_points: int = 60_000) -> None:
+    """Step time against peak memory per device for every scored layout (a sample when there are many)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sc = result.scores
+    idx = np.arange(result.scored)
+    if idx.size > max_points:
+        idx = np.random.default_rng(0).choice(idx, max_points, replace=False)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fits = sc["fits"][idx].astype(bool)
+    ax.scatter(sc["memory"][idx][~fits] / GIB, sc["step_time"][idx][~fits], s=2, c="lightgrey",
+               label="does not fit", rasterized=True)
+    ax.scatter(sc["memory"][idx][fits] / GIB, sc["step_time"][idx][fits], s=2, c="tab:blue", alpha=0.5,
+               label="fits (even split, uniform recompute)", rasterized=True)
+    if candidates:
+        ax.scatter([c.scores["memory"] / GIB for c in candidates], [c.scores["step_time"] for c in candidates],
+                   s=30, c="tab:orange", edgecolor="black", label="top, ILP-balanced", zorder=3)
+        best = candidates[0]
+        ax.scatter([best.scores["memory"] / GIB], [best.scores["step_time"]], s=160, marker="*", c="red",
+                   edgecolor="black", zorder=4, label="pick")
+    ax.axvline(w.cluster.usable_memory / GIB, color="red", linestyle="--", linewidth=1, label="usable memory")
+    ax.set_yscale("log")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(f"{result.scored:,} layouts, {w.devices} x {w.cluster.name}, seq {w.seq_length}, "
+                 f"global batch {w.global_batch}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def recipe_overrides(c: Candidate, w: Workload, devices_per_node: int) -> dict:
+    """The recipe sections that the pick changes, in the recipe's own key names."""
+    lay, a = c.layout, c.assignment
+    return {
+        "model": {"seq_length": w.seq_length,
+                  "moe_token_dispatcher_type": "hierarchical" if lay["ep_scheme"] == "hierarchical" else "alltoall"},
+        "parallel_config": {"data_parallel": lay["dp"], "model_parallel": lay["tp"], "pipeline_stage": lay["pp"],
+                            "pp_interleave_num": lay["vpp"], "expert_parallel": lay["ep"],
+                            "expert_model_parallel": lay["etp"], "context_parallel": 1,
+                            "micro_batch_num": lay["m"], "use_seq_parallel": lay["tp"] > 1,
+                            "devices_per_node": devices_per_node},
+        "recompute_config": {"recompute": sum(a.recompute_per_stage(2)) > 0,
+                             "select_recompute": sum(a.recompute_per_stage(1)) > 0},
+        "training": {"global_batch_size": w.global_batch},
+    }
+
+
+def write_recipe(path: str, base_recipe: Path, c: Candidate, w: Workload, command: str) -> None:
+    """A recipe that inherits `base_recipe` and sets the pick; written atomically (all or nothing)."""
+    out = Path(path)
+    sc = c.scores
+    try:
+        base = os.path.relpath(base_recipe.resolve(), out.resolve().parent)
+    except ValueError:  # another drive
+        base = str(base_recipe.resolve())
+    header = [
+        f"# Written by: {command}",
+        f"# Cluster {w.cluster.name}, {w.devices} devices, seq {w.seq_length}, global batch {w.global_batch}.",
+        f"# Predicted: step {sc['step_time']:.3f} s, {sc['tokens_per_s_per_device']:.1f} tokens/s/device, "
+        f"MFU {100 * sc['mfu']:.1f}%, peak memory {sc['memory'] / GIB:.1f} GiB, bubble {100 * sc['bubble']:.1f}%.",
+        f"# Micro-batch size {c.layout['mbs']} sequences; EP overlap (two chunks on two streams): "
+        f"{'on' if c.layout['ep_overlap'] else 'off'}.",
+        f"# Per stage (not yet recipe keys): {stage_text(c)}",
+    ]
+    body = {"base": base, **recipe_overrides(c, w, w.cluster.devices_per_node)}
+    text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, out)
