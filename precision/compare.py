@@ -204,27 +204,34 @@ def plot_layer_errors(report: CompareReport, path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    def position(layer):  # tensors outside the layers (embedding, head) go left of layer 0
-        return -1 if layer is None else layer
-
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    # Tensors outside the decoder layers sit at -1 when they come before layer 0 in forward/parameter order
+    # (embedding) and one past the last layer when they come after it (final norm, head).
+    layered = [r.entry for r in report.rows if r.entry.layer is not None]
+    last_layer = max((e.layer for e in layered), default=-1)
+    first_order = {kind: min((e.order for e in layered if e.kind == kind), default=0) for kind in WALK}
+
+    def position(entry):
+        if entry.layer is not None:
+            return entry.layer
+        return -1 if entry.order < first_order[entry.kind] else last_layer + 1
+
+    fig, ax = plt.subplots(figsize=(8, 5))
     # exact agreement (error 0) is drawn on a floor three decades under the smallest tolerance
     floor = 1e-3 * min([r.rtol for r in report.rows if r.rtol > 0] or [1e-6])
     for kind, color in zip(WALK, ("tab:blue", "tab:purple", "tab:orange", "tab:green")):
         rows = [r for r in report.rows if r.entry.kind == kind]
         if not rows:
             continue
-        layers = sorted({position(r.entry.layer) for r in rows})
-        err = [max(max(r.max_rel_error, floor) for r in rows if position(r.entry.layer) == x) for x in layers]
-        tol = [max(r.rtol for r in rows if position(r.entry.layer) == x) for x in layers]
-        ax.plot(layers, err, "o-", color=color, label=f"{kind} max rel err")
-        ax.plot(layers, tol, "--", color=color, alpha=0.5, label=f"{kind} tolerance")
+        xs = sorted({position(r.entry) for r in rows})
+        err = [max(max(r.max_rel_error, floor) for r in rows if position(r.entry) == x) for x in xs]
+        tol = [max(r.rtol for r in rows if position(r.entry) == x) for x in xs]
+        ax.plot(xs, err, "o-", color=color, label=f"{kind} max rel err")
+        ax.plot(xs, tol, "--", color=color, alpha=0.5, label=f"{kind} tolerance")
     if report.first:
         e = report.first.entry
-        ax.plot([position(e.layer)], [max(report.first.max_rel_error, floor)], "r*", markersize=16,
+        ax.plot([position(e)], [max(report.first.max_rel_error, floor)], "r*", markersize=16,
                 label="first divergence")
         risk = report.diagnosis.risk.name if report.diagnosis else ""
         title = f"first divergence: {e.name} ({risk})"
@@ -232,11 +239,12 @@ def plot_layer_errors(report: CompareReport, path) -> Path:
         title = "no divergence"
     ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("layer (-1: outside the decoder layers; errors of 0 sit on the bottom line)")
+    ax.set_xlabel(f"layer (-1: before layer 0, {last_layer + 1}: after the last layer; "
+                  f"errors of 0 sit on the bottom line)")
     ax.set_ylabel("max relative error, B vs A")
     ax.set_title(f"step {report.step}: {title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
