@@ -13,8 +13,10 @@ Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per
   plus a per-operator launch overhead.
 - Tensor parallelism always with sequence parallelism: an all-gather and a reduce-scatter of the layer input around
   attention and around each FFN, not overlapped. Replicated parts (MLA down-projections, router) run on all tokens.
-- Expert parallelism: dispatch and combine all-to-all, `flat` (one all-to-all over the EP group) or `hierarchical`
-  (all-gather across nodes among devices with the same local index, local filtering, all-to-all inside the node).
+- Expert parallelism: dispatch and combine all-to-all, `flat` (one all-to-all over the EP group), `hierarchical`
+  (all-gather across nodes among devices with the same local index, local filtering, all-to-all inside the node)
+  or `node_dedup` (DeepEP-style: each token crosses once to each distinct destination node, at most `topk_group`
+  nodes under group-limited routing, and is forwarded inside the node).
   With `ep_overlap` the micro-batch runs as two chunks on two streams: time = max(C, A) + min(C, A) / 2 for
   expert-block compute C and all-to-all A; otherwise C + A.
 - Pipeline: point-to-point send of the (sequence-parallel) hidden state per micro-batch and stage boundary.
@@ -37,7 +39,7 @@ from parallel.planner.model_shape import (ModelShape, attention_params, block_pa
                                           flops_per_token)
 
 RECOMPUTE = ("none", "selective", "full")
-EP_SCHEMES = ("flat", "hierarchical")
+EP_SCHEMES = ("flat", "hierarchical", "node_dedup")
 FP32 = 4
 
 
@@ -48,6 +50,7 @@ class Precision:
     param_bytes: int = 4  # MindFormers keeps params_dtype float32 and casts to the compute dtype
     grad_bytes: int = 4
     optimizer_bytes: int = 8  # Adam m and v; a 4-byte master copy is added where params are below fp32
+    dispatch_bytes: int | None = None  # EP dispatch payload (e.g. 1 for FP8 dispatch); None: activation_bytes
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,9 @@ class _Costing:
         self.Tl = self.T / self.tp  # tokens a device owns under sequence parallelism
         self.ab = float(p.activation_bytes)
         self.flops = c.flops(p.matmul_dtype) * c.matmul_efficiency
-        self.attn_flops = c.flops(p.matmul_dtype) * c.attention_efficiency
+        # attention kernels stay in BF16 when the GEMMs run in FP8 (DeepSeek-V3, Megatron's FP8 recipes)
+        attn_dtype = "bf16" if p.matmul_dtype == "fp8" and "bf16" in c.peak_flops else p.matmul_dtype
+        self.attn_flops = c.flops(attn_dtype) * c.attention_efficiency
         self.mem_bw = c.memory_bandwidth * c.memory_efficiency
         self.intra_bw = c.intra_bandwidth * c.network_efficiency
         self.inter_bw = c.inter_bandwidth * c.network_efficiency
@@ -231,18 +236,28 @@ class _Costing:
         act_sel = ab * tokens * (h + 2 * inter_per_device)  # fc1 input and output; SwiGLU output recomputed
         return f1 + f2 + elementwise, b1 + b2 + 2 * elementwise, elementwise, act_sel + ab * tokens * inter_per_device, act_sel
 
-    def ep_dispatch(self):
-        """One-way seconds of the EP dispatch (the combine costs the same) and of the etp gather."""
-        s, h, ab = self.s, self.s.hidden_size, self.ab
-        send = self.Tl * s.top_k * h * ab
-        flat = self.all_to_all(send, self.ep, self.etp)
+    def ep_all_to_all(self):
+        """Seconds of one EP dispatch (in `dispatch_bytes`) plus one combine (in activation bytes), one direction
+        of the pass, including the gather / reduce-scatter over expert tensor parallelism."""
+        s, h = self.s, self.s.hidden_size
         nodes, local = self.group_span(self.ep, self.etp)
-        # across nodes only among devices with the same local index (one per node), then inside the node
-        hier = self.all_gather(nodes * self.Tl * h * ab, nodes, self.dpn) + self.all_to_all(send, local, self.etp)
-        hier = np.where(nodes > 1, hier, flat)
-        a2a = np.where(self.lay.ep_scheme == 1, hier, flat)
-        etp_gather = self.all_gather(self.Tl * s.top_k * self.etp * h * ab, self.etp)
-        return a2a + etp_gather
+        total = 0.0
+        for nbytes in (self.w.precision.dispatch_bytes or self.ab, self.ab):
+            send = self.Tl * s.top_k * h * nbytes
+            flat = self.all_to_all(send, self.ep, self.etp)
+            # all-gather across nodes among devices with the same local index, then all-to-all inside the node
+            hier = self.all_gather(nodes * self.Tl * h * nbytes, nodes, self.dpn) + self.all_to_all(send, local, self.etp)
+            # each token crosses to each distinct destination node once, then is forwarded inside the node
+            distinct = nodes * (1 - (1 - 1 / nodes) ** s.top_k)
+            if s.topk_group:
+                distinct = np.minimum(distinct, s.topk_group)
+            cross = self.Tl * h * nbytes * distinct * (nodes - 1) / nodes
+            dedup = (np.maximum(cross / self.inter_bw, send * (local - 1) / local / self.intra_bw)
+                     + self.c.inter_latency + self.c.intra_latency)
+            scheme = self.lay.ep_scheme
+            total = total + np.where(nodes > 1, np.select([scheme == 1, scheme == 2], [hier, dedup], flat), flat)
+            total = total + self.all_gather(self.Tl * s.top_k * self.etp * h * nbytes, self.etp)
+        return total
 
     def dense_layer(self) -> BlockCost:
         s = self.s
@@ -273,7 +288,7 @@ class _Costing:
         routing = self.stream(FP32 * Tl * 6 * E + ab * Tl * k * h * 5 + ab * Tl * 4 * h)
         expert_fwd = e1f + e2f + e_elem + sf + rf + routing + self.ops(30)
         expert_bwd = e1b + e2b + 2 * e_elem + sb + rb + 2 * routing + self.ops(60)
-        a2a = 2 * self.ep_dispatch()  # dispatch + combine
+        a2a = self.ep_all_to_all()
         overlap = self.lay.ep_overlap == 1
         exposed_f = np.where(overlap, np.maximum(expert_fwd, a2a) + np.minimum(expert_fwd, a2a) / 2 - expert_fwd, a2a)
         exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a) + np.minimum(expert_bwd, a2a) / 2 - expert_bwd, a2a)

@@ -37,6 +37,7 @@ class ModelShape:
     seq_length: int
     qk_layernorm: bool = True  # RMSNorm on the q and kv latents (q norm only exists when q_lora_rank > 0)
     tie_embeddings: bool = False
+    topk_group: int = 0  # group-limited routing: experts of a token in at most this many groups (0: no limit)
 
     @property
     def num_moe_layers(self) -> int:

@@ -22,7 +22,7 @@ class SearchSpace:
     etp: tuple[int, ...] = (1, 2, 4, 8)
     mbs: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = RECOMPUTE
-    ep_scheme: tuple[str, ...] = EP_SCHEMES
+    ep_scheme: tuple[str, ...] = ("flat", "hierarchical")  # what the runtime implements; node_dedup on request
     ep_overlap: tuple[bool, ...] = (False, True)
     pp: tuple[int, ...] | None = None  # None: every divisor of the device count
     ep: tuple[int, ...] | None = None  # None: every divisor of the routed-expert count

@@ -101,7 +101,8 @@ def chunk_plans(layout: dict, assignments: list[StageAssignment]) -> StagePlan:
                      embedding=np.array(emb, float), last=np.array(last, float), mtp_mode=np.array(mtp))
 
 
-def assess(w: Workload, layout: dict, assignments: list[StageAssignment]) -> dict[str, np.ndarray]:
+def assess(w: Workload, layout: dict, assignments: list[StageAssignment],
+           schedule: str | None = None) -> dict[str, np.ndarray]:
     """Cost-model scores of many assignments in one pass: 'objective' (pipeline seconds, the ILP's objective),
     'memory' [n, pp] (bytes per stage), 'fwd' / 'bwd' [n, pp] (per-micro-batch stage seconds), 'chunk_time'."""
     pp, v, m = layout["pp"], layout["vpp"], layout["m"]
@@ -118,7 +119,7 @@ def assess(w: Workload, layout: dict, assignments: list[StageAssignment]) -> dic
     static = (mem["weights"] + mem["grads"] + mem["optimizer"]).reshape(shape).sum(axis=2)
     act = mem["activation_per_microbatch"].reshape(shape)
     transient = mem["transient"].reshape(shape).max(axis=2)
-    profiles = held_profiles(pp, v, m, schedule_name(layout))
+    profiles = held_profiles(pp, v, m, schedule or schedule_name(layout))
     peak = np.stack([np.max(act[:, s, :] @ profiles[s].T, axis=1) for s in range(pp)], axis=1)
     objective = (m - 1 / v) * t.max(axis=1).sum(axis=1) + t.sum(axis=(1, 2)) / v
     return {"objective": objective, "memory": static + peak + transient, "fwd": fwd.sum(axis=2),
@@ -145,16 +146,18 @@ def score_assignment(w: Workload, layout: dict, a: StageAssignment) -> dict:
 
 def even_assignment(w: Workload, layout: dict) -> StageAssignment:
     """Even split of layers over stages, then over each stage's chunks (remainder to the middle), with the
-    layout's uniform recompute mode; the dense layers open stage 0."""
+    layout's uniform recompute mode; chunk 0 of stage 0 grows to hold the dense layers if it must."""
     mode = ("none", "selective", "full").index(layout["recompute"])
     unit = lambda n: tuple(n if r == mode else 0 for r in range(MODES))  # noqa: E731
-    k = w.shape.first_k_dense
+    k, v = w.shape.first_k_dense, layout["vpp"]
     stages = []
     for s, n in enumerate(even_layer_split(w.shape.num_layers, layout["pp"])):
-        sizes = even_layer_split(n, layout["vpp"])
+        sizes = even_layer_split(n, v)
         if s == 0 and sizes[0] < k:
-            raise ValueError(f"layers_per_stage: the {k} dense layers do not fit in chunk 0 of stage 0 "
-                             f"({sizes[0]} layers)")
+            if n < k + v - 1:
+                raise ValueError(f"layers_per_stage: stage 0 holds {n} layers, too few for the {k} dense layers "
+                                 f"in its first chunk and one layer in each of its other {v - 1} chunks")
+            sizes = [k] + even_layer_split(n - k, v - 1)
         stages.append(tuple(unit(size - (k if s == c == 0 else 0)) for c, size in enumerate(sizes)))
     return StageAssignment(unit(k), tuple(stages), mode)
 
@@ -185,13 +188,14 @@ def _coefficients(w: Workload, layout: dict) -> dict[str, np.ndarray]:
 
 
 def solve_ilp(w: Workload, layout: dict, memory_limit: float | None = None, time_limit: float = 10.0,
-              gap: float = 1e-9) -> StageAssignment | None:
-    """Optimal assignment for `layout` (a Layouts.row dict), or None when none fits in memory."""
+              gap: float = 1e-9, schedule: str | None = None) -> StageAssignment | None:
+    """Optimal assignment for `layout` (a Layouts.row dict) under pipeline `schedule` (default 1F1B or
+    interleaved), or None when none fits in memory."""
     limit = (w.cluster.usable_memory if memory_limit is None else memory_limit) / GIB
     pp, v, m = layout["pp"], layout["vpp"], layout["m"]
     k, n_moe = w.shape.first_k_dense, w.shape.num_layers - w.shape.first_k_dense
     co = _coefficients(w, layout)
-    profiles = held_profiles(pp, v, m, schedule_name(layout))
+    profiles = held_profiles(pp, v, m, schedule or schedule_name(layout))
     var: dict[tuple, int] = {}
 
     def idx(*key) -> int:
@@ -299,8 +303,8 @@ def solve_ilp(w: Workload, layout: dict, memory_limit: float | None = None, time
                           for s in range(pp)),
         mtp_mode=int(np.argmax([x[var["mtp", r]] for r in range(MODES)])))
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0) if res.status != 0 else 0.0
-    return StageAssignment(a.dense_by_mode, a.moe_by_mode, a.mtp_mode, float(assess(w, layout, [a])["objective"][0]),
-                           gap)
+    return StageAssignment(a.dense_by_mode, a.moe_by_mode, a.mtp_mode,
+                           float(assess(w, layout, [a], schedule)["objective"][0]), gap)
 
 
 def _compositions(total: int, parts: int):
