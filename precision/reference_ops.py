@@ -134,11 +134,12 @@ def cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 def adamw(param, grad, exp_avg, exp_avg_sq, lr: float, beta1: float, beta2: float, eps: float,
-          weight_decay: float, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One AdamW step with decoupled weight decay and bias correction (Loshchilov & Hutter; torch.optim.AdamW)."""
+          weight_decay: float, step: int, bias_correction: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One AdamW step with decoupled weight decay (Loshchilov & Hutter; torch.optim.AdamW). MindSpore's
+    nn.AdamWeightDecay omits the bias correction: bias_correction=False is its definition."""
     exp_avg = beta1 * exp_avg + (1 - beta1) * grad
     exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-    m_hat = exp_avg / (1 - beta1 ** step)
-    v_hat = exp_avg_sq / (1 - beta2 ** step)
+    m_hat = exp_avg / (1 - beta1 ** step) if bias_correction else exp_avg
+    v_hat = exp_avg_sq / (1 - beta2 ** step) if bias_correction else exp_avg_sq
     param = param * (1 - lr * weight_decay) - lr * m_hat / (np.sqrt(v_hat) + eps)
     return param, exp_avg, exp_avg_sq

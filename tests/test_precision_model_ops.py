@@ -1,0 +1,132 @@
+"""The model's own operators (telechat_moe) registered in the operator checker in place of the defaults:
+they pass for fp32 and fp16, and the checker finds where the model's optimizer is not torch's AdamW.
+
+The wrappers adapt each Cell or function to the checker's plain tensor-in, tensor-out form (PyNative: they build
+a Cell per call). The model's attention core is not a separate function (it sits inside
+MultiLatentAttention.construct with the projections), so mla_attention keeps the default entry.
+"""
+import dataclasses
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor, nn, ops
+
+from precision import op_check
+from precision import reference_ops as ref
+from precision.tolerance import tolerance
+from telechat_moe.config import ModelConfig
+from telechat_moe.layers import RMSNorm, SwiGLU
+from telechat_moe.mla import apply_rope, rope_tables
+from telechat_moe.model import TeleChatMoE
+from telechat_moe.moe.dispatch import LocalDispatcher
+from telechat_moe.moe.router import TopKRouter
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+EPS = 1e-6
+
+
+def model_rms_norm(x, weight):
+    cell = RMSNorm(x.shape[-1], EPS)
+    cell.weight.set_data(weight)
+    return cell(x)
+
+
+def model_rope(x, cos, sin):
+    """The model rotates [b, heads, s, d] in float32 with tables [b, 1, s, d] (MultiLatentAttention)."""
+    rotated = apply_rope(x.astype(ms.float32).transpose(0, 2, 1, 3), cos.reshape((1, 1) + cos.shape),
+                         sin.reshape((1, 1) + sin.shape))
+    return rotated.transpose(0, 2, 1, 3).astype(x.dtype)
+
+
+def model_router(x, weight, bias):
+    cfg = ModelConfig(hidden_size=x.shape[1], n_routed_experts=weight.shape[0],
+                      num_experts_per_tok=op_check.ROUTER_TOP_K, routed_scaling_factor=op_check.ROUTED_SCALING)
+    router = TopKRouter(cfg)
+    router.weight.set_data(weight)
+    router.expert_bias.set_data(bias)
+    indices, weights, _, _, _ = router(x, 1)
+    onehot = ops.one_hot(indices, cfg.n_routed_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+    return (onehot * weights.expand_dims(-1)).sum(1)
+
+
+def model_dispatch_combine(x, indices, weights, expert_scale):
+    dispatcher = LocalDispatcher(expert_scale.shape[0], indices.shape[1])
+    tokens, _, state = dispatcher.dispatch(x, indices)
+    expert_of_row = ops.gather(indices.reshape(-1), state[0], 0)
+    return dispatcher.combine(tokens * ops.gather(expert_scale, expert_of_row, 0), weights, state).astype(x.dtype)
+
+
+def model_swiglu(x, w_gate, w_up, w_down):
+    cell = SwiGLU(w_gate.shape[0], w_gate.shape[1], 0.02, x.dtype)
+    for linear, w in ((cell.gate_proj, w_gate), (cell.up_proj, w_up), (cell.down_proj, w_down)):
+        linear.weight.set_data(w.T.astype(ms.float32))  # Linear stores [out, in]
+    return cell(x)
+
+
+def model_cross_entropy(logits, labels):
+    return TeleChatMoE.cross_entropy(logits.astype(ms.float32), labels, ops.ones(labels.shape, ms.float32))
+
+
+def mindspore_adam_weight_decay(param, grad, exp_avg, exp_avg_sq):
+    """The project's optimizer (telechat_moe.optim.build_adamw: nn.AdamWeightDecay), one step from given moments."""
+    c = op_check.ADAMW_CONFIG
+    p = Parameter(param, name="p")
+    optimizer = nn.AdamWeightDecay([p], learning_rate=c["lr"], beta1=c["beta1"], beta2=c["beta2"], eps=c["eps"],
+                                   weight_decay=c["weight_decay"])
+    optimizer.moments1[0].set_data(exp_avg)
+    optimizer.moments2[0].set_data(exp_avg_sq)
+    optimizer((grad.astype(ms.float32),))
+    return p.value(), optimizer.moments1[0].value(), optimizer.moments2[0].value()
+
+
+def adamw_without_bias_correction(param, grad, exp_avg, exp_avg_sq):
+    return ref.adamw(param, grad, exp_avg, exp_avg_sq, **op_check.ADAMW_CONFIG, bias_correction=False)
+
+
+def rms_norm_reference(x, weight):
+    return ref.rms_norm(x, weight, EPS)
+
+
+MODEL_OPS = {
+    "rmsnorm": {"mindspore_fn": model_rms_norm, "reference_fn": rms_norm_reference},
+    "rope_yarn": {"mindspore_fn": model_rope},
+    "router": {"mindspore_fn": model_router},
+    "dispatch_combine": {"mindspore_fn": model_dispatch_combine},
+    "swiglu_ffn": {"mindspore_fn": model_swiglu},
+    "cross_entropy": {"mindspore_fn": model_cross_entropy},
+    "adamw": {"mindspore_fn": mindspore_adam_weight_decay, "reference_fn": adamw_without_bias_correction},
+}
+
+
+@pytest.fixture
+def model_registry(monkeypatch):
+    for name, fields in MODEL_OPS.items():
+        monkeypatch.setitem(op_check.REGISTRY, name, dataclasses.replace(op_check.REGISTRY[name], **fields))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_model_operators_pass(model_registry, dtype):
+    results = op_check.check_all(list(MODEL_OPS), [dtype])
+    bad = [op_check.format_row(r) for r in results if r.status != "pass"]
+    assert not bad, "\n".join(bad)
+
+
+def test_project_optimizer_is_adamw_without_bias_correction(model_registry):
+    """nn.AdamWeightDecay is not torch.optim.AdamW: against the bias-corrected reference it fails by far."""
+    bias_corrected = dataclasses.replace(op_check.REGISTRY["adamw"], reference_fn=lambda p, g, m, v: ref.adamw(
+        p, g, m, v, **op_check.ADAMW_CONFIG))
+    results = op_check.check_case(bias_corrected, "float32")
+    assert all(r.status == "FAIL" and r.max_rel_error > 100 * r.rtol for r in results)
+
+
+def test_model_yarn_tables_match_the_reference():
+    cfg = ModelConfig(qk_rope_head_dim=64, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+                      max_position_embeddings=8192, mscale=1.0, mscale_all_dim=0.8)
+    cos, sin = rope_tables(cfg, 8192)
+    inv_freq = ref.yarn_inv_freq(64, cfg.rope_theta, 40.0, 4096, cfg.beta_fast, cfg.beta_slow)
+    mscale = ref.yarn_mscale(40.0, 1.0) / ref.yarn_mscale(40.0, 0.8)
+    ref_cos, ref_sin = ref.rope_tables(np.arange(8192), inv_freq, mscale)
+    # tables built in float64 and rounded once: one float32 rounding (see TOLERANCES.md on float32 angles)
+    np.testing.assert_allclose(cos, ref_cos, rtol=0, atol=tolerance("float32").rtol)
+    np.testing.assert_allclose(sin, ref_sin, rtol=0, atol=tolerance("float32").rtol)
