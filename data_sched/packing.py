@@ -81,3 +81,19 @@ def doc_lens_to_segment_ids(lens, seq_length: int) -> np.ndarray:
     if lens.sum() != seq_length or (lens <= 0).any():
         raise ValueError(f"document lengths must be positive and sum to seq_length={seq_length}, got {lens.tolist()}")
     return np.repeat(np.arange(len(lens), dtype=np.int32), lens)
+
+
+def doc_lens_to_actual_seq_len(lens, seq_length: int, pad_to: int) -> np.ndarray:
+    """int32 [pad_to]: MindFormers' compressed EOD mask for FlashAttention's actual_seq_len on Ascend.
+
+    The end position of every document piece but the last, padded with seq_length (as MindFormers'
+    `_get_eod_attention_mask` builds it from EOD positions); the per-micro-batch offsets of the TND layout are
+    added downstream, as MindFormers' `asl_batch_wrapper` does.
+    """
+    ends = np.cumsum(np.asarray(lens, dtype=np.int64))
+    if ends[-1] != seq_length:
+        raise ValueError(f"document lengths must sum to seq_length={seq_length}, got {int(ends[-1])}")
+    if len(ends) - 1 > pad_to:
+        raise ValueError(f"{len(ends) - 1} document boundaries exceed the compressed EOD mask length {pad_to}")
+    return np.pad(ends[:-1], (0, pad_to - len(ends) + 1), constant_values=seq_length).astype(np.int32)
+

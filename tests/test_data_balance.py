@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from data_sched.loader import BatchLoader
 from data_sched.packing import pack_documents
 
 COST = CostModel(a=1.0, b=300.0, c=1000.0)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _packed(doc_lengths, seq):
@@ -206,3 +208,37 @@ def test_flops_model_splits_attention_from_the_rest():
     per_token = lambda length: 1e9 + 5e4 * length  # noqa: E731 - b = 1e9 per token, a = 5e4 per l^2
     model = CostModel.from_flops_per_token(per_token, 4096)
     assert np.isclose(model.a, 5e4) and np.isclose(model.b, 1e9)
+
+
+# ---- scripts/fit_attention_cost.py without the model -------------------------------------------------------------
+
+def _fit_script(*args):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "fit_attention_cost.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_fit_script_fits_given_measurements_and_writes_a_loadable_calibration(tmp_path):
+    truth = CostModel(a=1e-6, b=1e-3, c=0.02)
+    rows = [{"doc_lens": lens, "seconds": float(truth.sample_costs([np.array(lens)])[0])}
+            for lens in ([128], [256], [512], [1024], [512, 512], [256] * 4, [100, 28])]
+    measurements = tmp_path / "m.json"
+    measurements.write_text(json.dumps(rows))
+    out = tmp_path / "cal" / "cost.json"
+    result = _fit_script("--from-measurements", str(measurements), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    fit = CostModel.load(str(out))
+    assert fit.r2 > 0.999 and np.isclose(fit.a, truth.a, rtol=1e-3) and np.isclose(fit.b, truth.b, rtol=1e-3)
+    assert (tmp_path / "cal" / "cost.png").is_file()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "not found"), ("{oops", "expected JSON"), ('[{"doc_lens": [1], "seconds": 1}]', "at least 3"),
+    ('[{"doc_lens": [0], "seconds": 1}, {}, {}]', "entry 0"),
+])
+def test_fit_script_bad_measurements_exit_2_with_one_line(tmp_path, content, expected):
+    path = tmp_path / "m.json"
+    if content is not None:
+        path.write_text(content)
+    result = _fit_script("--from-measurements", str(path), "--out", str(tmp_path / "c.json"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr

@@ -151,6 +151,23 @@ def test_packing_keeps_every_token_once_and_lengths_add_up(docs, seq):
         assert np.array_equal(np.diff(seg) != 0, np.diff(docs_here) != 0)
 
 
+def test_actual_seq_len_matches_mindformers_compressed_eod_mask():
+    import os
+    os.environ.setdefault("LOG_MF_PATH", "/tmp/telechat_mf_log")
+    from mindformers.dataset.blended_datasets.gpt_dataset import _get_eod_attention_mask
+    from data_sched.packing import doc_lens_to_actual_seq_len
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, 50, n).astype(np.int32) for n in rng.integers(1, 12, 40)]
+    packed = pack_documents(docs, 24, eod_id=2)
+    for i in range(len(packed)):
+        inputs = packed.tokens[i, :-1]
+        want = _get_eod_attention_mask(inputs, 2, 16)
+        assert np.array_equal(doc_lens_to_actual_seq_len(packed.sample_doc_lens(i), 24, 16), want)
+    with pytest.raises(ValueError, match="exceed"):
+        doc_lens_to_actual_seq_len([1] * 8, 8, 4)
+
+
 def test_segment_ids_reject_lengths_that_do_not_fill_the_sample():
     assert doc_lens_to_segment_ids([2, 1, 3], 6).tolist() == [0, 0, 1, 2, 2, 2]
     with pytest.raises(ValueError):
