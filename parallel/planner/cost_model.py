@@ -394,7 +394,8 @@ def in_flight(lay: Layouts, stage) -> np.ndarray:
     """Micro-batches whose activations a stage holds at its peak (chunks / vpp for interleaved 1F1B)."""
     p, v, m = lay.pp, lay.vpp, lay.m
     one_f_one_b = np.minimum(m, p - stage)
-    chunks = np.minimum(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    # Megatron warms up with every micro-batch when there are only p of them
+    chunks = np.where(m == p, m * v, np.minimum(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1))
     return np.where(v > 1, chunks / v, one_f_one_b).astype(np.float64)
 
 

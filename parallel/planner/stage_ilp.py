@@ -307,6 +307,19 @@ def solve_ilp(w: Workload, layout: dict, memory_limit: float | None = None, time
                            float(assess(w, layout, [a], schedule)["objective"][0]), gap)
 
 
+def chunks_even(a: StageAssignment) -> bool:
+    """The ILP's feasible chunking: no empty chunk, and the chunks of a stage differ by at most one layer, except
+    that the last chunk of the last stage (with the head) may hold fewer."""
+    rows = a.layers_per_chunk
+    for s, sizes in enumerate(rows):
+        if min(sizes) < 1:
+            return False
+        plain = sizes[:-1] if s == len(rows) - 1 else sizes
+        if plain and (max(plain) - min(plain) > 1 or sizes[-1] > min(plain) + 1):
+            return False
+    return True
+
+
 def _compositions(total: int, parts: int):
     """All tuples of `parts` non-negative integers summing to `total`."""
     for cuts in itertools.combinations(range(total + parts - 1), parts - 1):
@@ -324,7 +337,7 @@ def brute_force(w: Workload, layout: dict, memory_limit: float | None = None) ->
         for flat in _compositions(n_moe, pp * v * MODES):
             moe = tuple(tuple(flat[(s * v + c) * MODES:(s * v + c + 1) * MODES] for c in range(v)) for s in range(pp))
             a = StageAssignment(dense, moe, 0)
-            if min(min(row) for row in a.layers_per_chunk) < 1:
+            if not chunks_even(a):
                 continue
             for mtp in range(MODES if w.shape.mtp_depth else 1):
                 candidates.append(StageAssignment(dense, moe, mtp))

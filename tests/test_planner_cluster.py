@@ -1,0 +1,49 @@
+"""Cluster YAMLs: every shipped file loads and cites its sources; broken files are rejected by field."""
+import pytest
+import yaml
+
+from parallel.planner.cluster import CLUSTER_DIR, ClusterError, available_clusters, load_cluster
+
+
+def test_shipped_clusters_load_with_sources():
+    names = available_clusters()
+    assert {"ascend910b", "h800", "h100", "cpu"} <= set(names)
+    for name in names:
+        c = load_cluster(name)
+        assert c.devices_per_node >= 1 and c.memory_bytes > 0 and 0 < c.usable_memory <= c.memory_bytes
+        assert {"device", "intra_node", "inter_node"} <= set(c.sources), name
+
+
+def test_published_figures():
+    h800, h100 = load_cluster("h800"), load_cluster("h100")
+    assert h800.flops("bf16") == h100.flops("bf16") == 989e12  # same GH100 die
+    assert h800.intra_bandwidth < h100.intra_bandwidth  # the export-limited NVLink
+    assert load_cluster("ascend910b").memory_bytes == 64 * 2 ** 30
+
+
+def _write(tmp_path, mutate):
+    doc = yaml.safe_load((CLUSTER_DIR / "h100.yaml").read_text())
+    mutate(doc)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["device"].pop("memory_bandwidth"), "device.memory_bandwidth"),
+    (lambda d: d["inter_node"].update(bandwidth=-1), "inter_node.bandwidth"),
+    (lambda d: d["efficiency"].update(matmul=1.5), "efficiency.matmul"),
+    (lambda d: d.update(flash_attention="yes"), "flash_attention"),
+    (lambda d: d["device"].update(peak_flops={}), "device.peak_flops"),
+    (lambda d: d.update(devices_per_node="eight"), "devices_per_node"),
+])
+def test_bad_cluster_file_names_the_field(tmp_path, mutate, field):
+    path = _write(tmp_path, mutate)
+    with pytest.raises(ClusterError, match=field.replace(".", r"\.")) as e:
+        load_cluster(path)
+    assert path in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_cluster_lists_the_known_ones():
+    with pytest.raises(ClusterError, match="available: ascend910b, cpu, h100, h800"):
+        load_cluster("tpu9000")

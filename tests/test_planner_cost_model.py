@@ -1,0 +1,113 @@
+"""The vectorised cost model: consistent with itself, with the parameter counter, with the pipeline schedules and
+with the event-driven simulator; and its trade-offs point the right way."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from parallel.layout import ParallelLayout
+from parallel.pipeline.schedules import build, validate
+from parallel.planner.cluster import load_cluster
+from parallel.planner.cost_model import (Layouts, Workload, block_costs, even_stage, evaluate, in_flight, p2p_time,
+                                         stage_memory, stage_time, step_time, update_time)
+from parallel.planner.model_shape import training_memory
+from parallel.planner.search import enumerate_layouts
+from parallel.planner.simulate import simulate_layout
+from tests.test_planner_model_shape import TELECHAT3_105B
+
+W = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+
+
+@pytest.fixture(scope="module")
+def sample():
+    lay, _ = enumerate_layouts(W)
+    pick = np.random.default_rng(0).choice(len(lay), 40, replace=False)
+    return lay.take(pick)
+
+
+def test_vectorised_equals_one_by_one(sample):
+    together = evaluate(W, sample)
+    for i in range(len(sample)):
+        alone = evaluate(W, Layouts.single(**sample.row(i)))
+        for key in together:
+            assert together[key][i] == pytest.approx(alone[key][0], rel=1e-12), key
+
+
+def test_representative_stages_give_the_slowest_and_fullest_stage(sample):
+    r = evaluate(W, sample)
+    b = block_costs(W, sample)
+    times, mems, updates, work = [], [], [], 0.0
+    for s in range(int(sample.pp.max())):
+        st = even_stage(W, sample, np.full(len(sample), s))
+        f, bw = stage_time(W, b, st)
+        mem = stage_memory(W, sample, b, st)
+        live = s < sample.pp  # stages beyond a layout's pp are clipped copies of its last one
+        times.append(np.where(live, f + bw, 0.0))
+        mems.append(np.where(live, mem["total"], 0.0))
+        updates.append(np.where(live, update_time(W, sample, mem, f, bw), 0.0))
+        work = work + np.where(live, f + bw, 0.0)
+    pipe = step_time(sample.m, sample.vpp, sample.pp, np.max(times, axis=0), work, p2p_time(W, sample))
+    np.testing.assert_allclose(r["memory"], np.max(mems, axis=0), rtol=1e-12)
+    np.testing.assert_allclose(r["step_time"], pipe + np.max(updates, axis=0), rtol=1e-9)
+
+
+@pytest.mark.parametrize("tp, pp, ep, etp", [(1, 1, 1, 1), (2, 4, 8, 1), (8, 4, 4, 2), (4, 8, 16, 2)])
+def test_weights_grads_optimizer_match_the_parameter_counter(tp, pp, ep, etp):
+    dp = W.devices // (tp * pp)
+    lay = Layouts.single(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, m=max(pp, 2))
+    b = block_costs(W, lay)
+    layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, micro_batch_num=max(pp, 2))
+    want = training_memory(TELECHAT3_105B, layout, 4, 4, 8, shard_optimizer=True)["per_stage"]
+    for s in range(pp):
+        got = stage_memory(W, lay, b, even_stage(W, lay, np.array([s])))
+        for key in ("weights", "grads", "optimizer"):
+            assert got[key][0] == pytest.approx(want[s][key], rel=1e-12), (s, key)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 1, 5), (4, 1, 4), (4, 1, 9), (4, 2, 4), (4, 2, 12), (8, 3, 16), (3, 4, 9)])
+def test_in_flight_matches_the_schedule(p, v, m):
+    peaks = validate(build("interleaved" if v > 1 else "1f1b", p, v, m)).peak_in_flight
+    lay = Layouts.single(pp=p, vpp=v, m=m)
+    assert [in_flight(lay, s)[0] * v for s in range(p)] == pytest.approx(list(peaks))
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp=4, pp=4, vpp=1, dp=16, ep=16, etp=1, mbs=1, m=32, recompute="none", ep_scheme="flat", ep_overlap=False),
+    dict(tp=2, pp=8, vpp=1, dp=16, ep=8, etp=2, mbs=1, m=32, recompute="selective", ep_scheme="flat", ep_overlap=True),
+    dict(tp=8, pp=4, vpp=3, dp=8, ep=64, etp=1, mbs=1, m=64, recompute="full", ep_scheme="hierarchical",
+         ep_overlap=True),
+    dict(tp=4, pp=8, vpp=2, dp=8, ep=32, etp=1, mbs=2, m=32, recompute="selective", ep_scheme="flat",
+         ep_overlap=False),
+])
+def test_analytic_step_and_memory_close_to_the_simulator(layout):
+    analytic = evaluate(W, Layouts.single(**layout))
+    sim = simulate_layout(W, layout)
+    assert analytic["step_time"][0] == pytest.approx(sim.step_time, rel=0.08)
+    assert analytic["memory"][0] == pytest.approx(max(sim.memory_per_stage), rel=0.15)
+
+
+def test_recompute_trades_memory_for_time():
+    rows = [Layouts.single(tp=4, pp=4, dp=16, ep=16, m=32, recompute=r) for r in ("none", "selective", "full")]
+    results = [evaluate(W, lay) for lay in rows]
+    mem = [r["memory"][0] for r in results]
+    time = [r["step_time"][0] for r in results]
+    assert mem[0] > mem[1] > mem[2]
+    assert time[0] < time[1] < time[2]
+
+
+def test_ep_overlap_never_slower_and_hierarchical_pays_off_only_for_wide_routing():
+    base = dict(tp=1, pp=1, dp=256, ep=32, m=2, mbs=1)
+    for k in (2, 8):
+        w = dataclasses.replace(W, shape=dataclasses.replace(TELECHAT3_105B, top_k=k))
+        flat, hier, overlap = (block_costs(w, Layouts.single(**base, ep_scheme=s, ep_overlap=o)).moe
+                               for s, o in (("flat", False), ("hierarchical", False), ("flat", True)))
+        assert overlap.fwd_comm[0] <= flat.fwd_comm[0]
+        # 32 ranks on 4 nodes: flat sends top_k * 3/4 copies of a token across nodes, hierarchical 3
+        assert (hier.fwd_comm[0] < flat.fwd_comm[0]) == (k * 3 / 4 > 3)
+
+
+def test_tensor_and_expert_parallelism_shrink_weights():
+    one = evaluate(W, Layouts.single(tp=1, pp=4, dp=64, ep=8, m=8))["memory"][0]
+    tp = evaluate(W, Layouts.single(tp=4, pp=4, dp=16, ep=8, m=8))["memory"][0]
+    ep = evaluate(W, Layouts.single(tp=1, pp=4, dp=64, ep=64, m=8))["memory"][0]
+    assert tp < one and ep < one

@@ -1,0 +1,56 @@
+"""The per-chunk layers/recompute ILP: equal to brute force where brute force is possible, memory identical to the
+event-driven simulator's, never worse than the even split."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from parallel.pipeline.schedules import build, validate
+from parallel.planner.cluster import load_cluster
+from parallel.planner.cost_model import Workload
+from parallel.planner.simulate import simulate_layout
+from parallel.planner.stage_ilp import assess, brute_force, even_assignment, held_profiles, solve_ilp
+from tests.test_planner_model_shape import TELECHAT3_105B
+
+SMALL = dataclasses.replace(TELECHAT3_105B, num_layers=6, first_k_dense=1)
+W = Workload(SMALL, load_cluster("ascend910b"), devices=64, seq_length=4096, global_batch=64)
+LAYOUTS = [
+    dict(tp=2, pp=3, vpp=1, dp=8, ep=8, etp=1, mbs=1, m=8, recompute="none", ep_scheme="flat", ep_overlap=False),
+    dict(tp=1, pp=2, vpp=2, dp=32, ep=8, etp=1, mbs=1, m=2, recompute="none", ep_scheme="flat", ep_overlap=True),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["1f1b-p3", "interleaved-p2v2"])
+def test_ilp_optimum_equals_brute_force(layout):
+    even = assess(W, layout, [even_assignment(W, layout)])["memory"].max()
+    outcomes = set()
+    for scale in (0.3, 0.85, 0.95, 1.0, 1.2, 3.0):
+        limit = even * scale
+        ilp, brute = solve_ilp(W, layout, memory_limit=limit), brute_force(W, layout, memory_limit=limit)
+        assert (ilp is None) == (brute is None), scale
+        outcomes.add(ilp is None)
+        if ilp is not None:
+            assert ilp.objective == pytest.approx(brute.objective, rel=1e-9), scale
+            assert assess(W, layout, [ilp])["memory"].max() <= limit
+    assert outcomes == {True, False}  # the limits reach both infeasible and feasible cases
+
+
+def test_ilp_memory_is_the_simulators_and_beats_the_even_split():
+    big = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=512, seq_length=4096, global_batch=1024)
+    layout = dict(tp=4, pp=8, vpp=3, dp=16, ep=16, etp=1, mbs=1, m=64, recompute="selective", ep_scheme="flat",
+                  ep_overlap=True)
+    a = solve_ilp(big, layout, time_limit=5)
+    sim = simulate_layout(big, layout, a)
+    np.testing.assert_allclose(sim.memory_per_stage, assess(big, layout, [a])["memory"][0], rtol=1e-9)
+    assert max(sim.memory_per_stage) <= big.cluster.usable_memory
+    assert a.objective <= assess(big, layout, [even_assignment(big, layout)])["objective"][0] + 1e-9
+    assert sum(a.layers_per_stage) == TELECHAT3_105B.num_layers
+
+
+@pytest.mark.parametrize("p, v, m", [(4, 1, 6), (4, 2, 8), (3, 3, 6)])
+def test_held_profiles_reach_the_schedule_peak(p, v, m):
+    name = "interleaved" if v > 1 else "1f1b"
+    report = validate(build(name, p, v, m))
+    for s, rows in enumerate(held_profiles(p, v, m, name)):
+        assert rows.sum(axis=1).max() == report.peak_in_flight[s]
+        assert (rows <= np.array(report.peak_in_flight_by_chunk[s])).all()
