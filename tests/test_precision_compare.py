@@ -10,6 +10,7 @@ import pytest
 
 from precision.compare import compare_runs, walk_order
 from precision.dump import DumpError, DumpWriter, TensorRecord, config_hash, open_run, parse_steps
+from precision.harness import first_diverging_change
 from precision.signatures import Risk, diagnose
 from precision.tolerance import tolerance
 
@@ -175,6 +176,22 @@ def test_dp_replicas_that_were_never_reduced(tmp_path):
     report = _first(tmp_path, rank_grad(0), {**META, "layout": {"dp": 2}}, replicas={1: rank_grad(1)})
     assert report.first.entry.name == "grad.layers.2.w" and report.diagnosis.risk is Risk.DP
     assert "mean matches run A" in report.diagnosis.evidence
+
+
+def test_first_diverging_change_names_the_broken_one(tmp_path):
+    edits = {"fusion": lambda n, a: a * (1 + 1e-7), "tp=2": lambda n, a: a / 2 if n == "layers.2.attn" else a,
+             "ep=2": lambda n, a: a}
+
+    def make_step(changes):
+        def edit(name, a):
+            for change in changes:
+                a = edits[change](name, a)
+            return a
+        return lambda: fake_step(edit=edit)
+    change, report = first_diverging_change(make_step, ["fusion", "tp=2", "ep=2"], tmp_path,
+                                            lambda changes: {**META, "layout": {"tp": 2 if "tp=2" in changes else 1}})
+    assert change == "tp=2" and report.first.entry.name == "layers.2.attn" and report.diagnosis.risk is Risk.TP
+    assert first_diverging_change(make_step, ["fusion", "ep=2"], tmp_path / "fine", lambda c: META) == (None, None)
 
 
 def test_small_drift_is_called_numerical():

@@ -25,7 +25,7 @@ from parallel.layout import ParallelLayout  # noqa: E402
 from precision.capture import ForwardCapture, Target, grad_records, layer_of, optimizer_records  # noqa: E402
 from precision.compare import compare_runs  # noqa: E402
 from precision.dump import DumpWriter, TensorRecord, config_hash, layout_meta  # noqa: E402
-from precision.harness import align, first_diverging_change  # noqa: E402
+from precision.harness import align  # noqa: E402
 from precision.parallel_emulation import (ExpertParallelDispatcher, RowParallelLinear,  # noqa: E402
                                           accumulate_micro_batches, all_gather_batch, all_reduce_mean,
                                           sequence_shard_positions, sharded_rope_tables, swap_cell)
@@ -252,14 +252,6 @@ def test_fault_is_localised(setup, reference_dump, tmp_path, change, layout, lay
     assert report.first is not None, f"{change}: not caught"
     assert (report.first.entry.name, report.first.entry.layer) == (name, layer), report.diagnosis
     assert report.diagnosis.risk is risk, report.diagnosis.evidence
-
-
-def test_first_diverging_change_names_the_broken_one(setup, tmp_path):
-    cfg, weights, batch = setup
-    change, report = first_diverging_change(
-        lambda changes: make_step(cfg, weights, batch, changes, faulty_layer=2), ["tp", "ep!", "sp"], tmp_path,
-        lambda changes: meta(cfg, "plain"))
-    assert change == "ep!" and report.diagnosis.risk is Risk.EP
 
 
 # ---- DP: two processes under msrun -------------------------------------------------------------------------
