@@ -123,8 +123,10 @@ def build_workload(args, recipe) -> Workload:
 
 
 def progress(label: str):
+    """A progress line on a terminal; nothing when stderr is a file or pipe (it must stay one line on errors)."""
     def report(done: int, total: int) -> None:
-        print(f"\r{label} {done:,}/{total:,}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+        if sys.stderr.isatty():
+            print(f"\r{label} {done:,}/{total:,}", end="\n" if done == total else "", file=sys.stderr, flush=True)
     return report
 
 

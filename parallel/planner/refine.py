@@ -28,7 +28,7 @@ def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = 
     that differ only in their uniform recompute collapse into one), check each with the event-driven simulator,
     and return the `top` by simulated step time. Scores are the simulator's; 'analytic_step_time' is the ILP's
     model of the same assignment."""
-    pool = pool or max(top + 2, 12)
+    pool = pool or max(top + 2, 6)
     sc, lay = result.scores, result.layouts
     near = np.flatnonzero(sc["memory"] <= NEAR_FIT * w.cluster.usable_memory)
     order = near[np.argsort(sc["step_time"][near], kind="stable")]
@@ -74,7 +74,7 @@ def nearest_device_counts(w: Workload, space: SearchSpace, tries: int = 64) -> l
     return below + above
 
 
-def devices_that_fit(w: Workload, space: SearchSpace, factors=(2, 4, 8, 16)) -> int | None:
+def devices_that_fit(w: Workload, space: SearchSpace, factors=tuple(2 ** i for i in range(1, 11))) -> int | None:
     """The smallest multiple of the device count (by `factors`) on which some layout fits, or None."""
     for f in factors:
         r = search(dataclasses.replace(w, devices=w.devices * f), space)

@@ -91,6 +91,6 @@ def search(w: Workload, space: SearchSpace = SearchSpace(), chunk: int = 262_144
         parts.append(evaluate(w, lay.take(slice(start, start + chunk))))
         if progress:
             progress(min(start + chunk, len(lay)), len(lay))
-    keys = parts[0].keys() if parts else ("step_time", "tokens_per_s_per_device", "mfu", "memory", "fits", "bubble")
-    scores = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in keys}
+    parts = parts or [evaluate(w, lay)]  # no layout: empty arrays of the right kinds
+    scores = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return SearchResult(lay, scores, raw, time.perf_counter() - t0)

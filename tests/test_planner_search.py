@@ -1,0 +1,74 @@
+"""Enumeration and search: every scored layout can exist, none twice, and the full 1T space is scored fast."""
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from parallel.layout import ParallelLayout
+from parallel.planner.cluster import load_cluster
+from parallel.planner.cost_model import Workload
+from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
+from tests.test_planner_model_shape import DEEPSEEK_V3, TELECHAT3_105B
+
+# The 1T recipe's shape (recipes/1t.yaml): 72 layers, hidden 4096, 64 heads, 512 experts top-8 at FFN 2304.
+ONE_T = dataclasses.replace(DEEPSEEK_V3, hidden_size=4096, num_layers=72, first_k_dense=1, num_heads=64,
+                            dense_intermediate=12288, num_routed_experts=512, moe_intermediate=2304,
+                            shared_intermediate=2304, vocab_size=131072, seq_length=8192)
+
+
+def test_divisors():
+    assert list(divisors(12)) == [1, 2, 3, 4, 6, 12]
+    assert list(divisors(4096)) == [2 ** i for i in range(13)]
+
+
+def test_every_layout_exists_and_none_twice():
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+    lay, raw = enumerate_layouts(w)
+    assert 0 < len(lay) < raw
+    rows = {tuple(sorted(lay.row(i).items())) for i in range(len(lay))}
+    assert len(rows) == len(lay)
+    for i in np.random.default_rng(0).choice(len(lay), 300, replace=False):
+        r = lay.row(int(i))
+        ParallelLayout(dp=r["dp"], tp=r["tp"], pp=r["pp"], vpp=r["vpp"], ep=r["ep"], etp=r["etp"], sp=r["tp"] > 1,
+                       micro_batch_num=r["m"]).validate(256)
+        assert r["dp"] * r["mbs"] * r["m"] == 512
+        assert TELECHAT3_105B.num_routed_experts % r["ep"] == 0 and TELECHAT3_105B.num_heads % r["tp"] == 0
+        assert TELECHAT3_105B.num_layers >= r["pp"] * r["vpp"]
+        if r["ep"] == 1:
+            assert r["ep_scheme"] == "flat" and not r["ep_overlap"]
+
+
+def test_no_layout_for_a_prime_device_count():
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=257, seq_length=4096, global_batch=512)
+    assert len(enumerate_layouts(w)[0]) == 0
+
+
+def test_full_1t_space_on_4096_devices_is_fast():
+    w = Workload(ONE_T, load_cluster("ascend910b"), devices=4096, seq_length=8192, global_batch=2048)
+    t0 = time.perf_counter()
+    r = search(w)
+    seconds = time.perf_counter() - t0
+    rate = r.scored / seconds * 60
+    print(f"scored {r.scored} layouts in {seconds:.2f} s: {rate:,.0f} per minute")
+    assert r.scored > 10_000
+    assert seconds < 30
+    assert rate > 1_000_000
+    best = r.ranked()[0]
+    assert r.scores["memory"][best] <= w.cluster.usable_memory
+
+
+def test_search_space_restrictions_are_honoured():
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+    lay, _ = enumerate_layouts(w, SearchSpace(tp=(8,), recompute=("full",), pp=(4,)))
+    assert set(lay.tp) == {8} and set(lay.recompute) == {2} and set(lay.pp) == {4}
+
+
+@pytest.mark.parametrize("devices", [64, 96])
+def test_ranking_puts_the_fastest_fitting_layout_first(devices):
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=devices, seq_length=4096, global_batch=256)
+    r = search(w)
+    order = r.ranked()
+    assert len(order)
+    # the first fitting layout is at least as fast as every other fitting one
+    assert r.scores["step_time"][order[0]] == r.scores["step_time"][r.scores["fits"].astype(bool)].min()
