@@ -1,0 +1,38 @@
+"""The planner against published numbers: DeepSeek-V3's pre-training throughput on 2048 H800 GPUs (assumptions
+in bench/planner_deepseek_v3.py), and the calibration script that writes the CPU cluster."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallel.planner.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_deepseek_v3_tokens_per_gpu_within_20_percent():
+    from planner_deepseek_v3 import PUBLISHED, predict
+
+    r = predict()
+    print(r)
+    assert r["memory_gib"] <= load_cluster("h800").usable_memory / 2 ** 30
+    for published in PUBLISHED.values():
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(published, rel=0.20)
+
+
+def test_calibration_writes_a_loadable_cpu_cluster(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    r = subprocess.run([sys.executable, "-m", "parallel.planner.calibrate", "--no-mindspore", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    c = load_cluster(str(out))
+    assert 1e8 < c.flops("fp32") < 1e13 and 1e8 < c.memory_bandwidth < 1e12
+    assert not c.flash_attention and "measured" in c.sources["device"]
+
+
+def test_calibration_rejects_a_missing_folder(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "parallel.planner.calibrate", "--out", str(tmp_path / "no" / "x.yaml")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
