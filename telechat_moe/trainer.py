@@ -241,9 +241,10 @@ class Trainer:
         return out
 
     def save(self) -> None:
+        # No random draw happens after initialisation (no dropout; the data order is a function of seed and
+        # epoch), so the seed and the data position are the whole random state.
         state = {"step": self.step, "data": self.loader.state_dict(), "loss_scale": self.scaler.scale,
-                 "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed,
-                 "numpy_rng": np.random.get_state()[1].tolist()[:4], "recipe": self.r.name}
+                 "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed, "recipe": self.r.name}
         path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, self._all_params(), state,
                                self.r.training.keep_checkpoints)
         info(f"[ckpt] saved {path}", self.main)
