@@ -26,7 +26,7 @@ def pynative():
     ms.set_context(pynative_synchronize=False)
 
 
-# ---- a stack of dense blocks ------------------------------------------------------------------------------------------
+# ---- a stack of dense blocks -----------------------------------------------------------------------------------------
 class Block(nn.Cell):
     def __init__(self, d: int):
         super().__init__()
@@ -115,7 +115,7 @@ def test_mismatched_inputs():
         replay(build("1f1b", 2, 1, 4), [Block(16), Block(16)], head, mbs)  # two unnamed copies of "up.weight"
 
 
-# ---- the TeleChat-MoE model -------------------------------------------------------------------------------------------
+# ---- the TeleChat-MoE model ------------------------------------------------------------------------------------------
 def tiny_model():
     from telechat_moe.config import ModelConfig
     from telechat_moe.model import TeleChatMoE

@@ -1,8 +1,9 @@
 """From a placement plan to MindSpore's pipeline configuration, in MindSpore's and MindFormers' own names.
 
 Nothing here decides anything: the plan (placement + schedule) is made elsewhere. This module spells it as
-- `mindspore.set_auto_parallel_context(pipeline_stages=p, pipeline_config={"pipeline_interleave", "pipeline_scheduler"})`
-  or equally `AutoParallel(net, parallel_mode="semi_auto").pipeline(stages, interleave=, scheduler=)`;
+- `mindspore.set_auto_parallel_context(pipeline_stages=p,
+  pipeline_config={"pipeline_interleave": ..., "pipeline_scheduler": ...})`, or equally
+  `AutoParallel(net, parallel_mode="semi_auto").pipeline(stages, interleave=, scheduler=)`;
 - `mindspore.parallel.nn.Pipeline(network, micro_size, stage_config={cell name: stage})`, which sets each cell's
   `pipeline_stage`. With interleave on, MindSpore derives a cell's virtual chunk from the forward order (a stage
   seen again after a later stage is its next chunk), which is how MindFormers' `LayerSetting` assigns them;
@@ -91,10 +92,11 @@ def _check_layout(placement: Placement, schedule: str, micro_size: int, layout: 
     if schedule == "1f1b" and placement.chunks > 1:
         raise BindingError(f"schedule: 1f1b runs one chunk per stage, the placement has {placement.chunks}")
     if micro_size < placement.stages:
-        raise BindingError(f"parallel_config.micro_batch_num: {micro_size} micro-batches cannot fill {placement.stages} stages")
+        raise BindingError(f"parallel_config.micro_batch_num: {micro_size} micro-batches cannot fill "
+                           f"{placement.stages} stages")
     if schedule in ("interleaved", "overlapped") and micro_size % placement.stages:
-        raise BindingError(f"parallel_config.micro_batch_num: the {schedule} schedule needs a multiple of the {placement.stages} "
-                           f"stages, got {micro_size}")
+        raise BindingError(f"parallel_config.micro_batch_num: the {schedule} schedule needs a multiple of the "
+                           f"{placement.stages} stages, got {micro_size}")
     if layout is None:
         return
     try:

@@ -324,7 +324,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     return evaluate(units, stages, chunks, np.diff(cuts), flight, method="balanced (MILP)")
 
 
-# ---- units of a TeleChat3 / DeepSeek-V3 style model from FLOPs and parameter counts -----------------------------------
+# ---- units of a TeleChat3 / DeepSeek-V3 style model from FLOPs and parameter counts ---------------------------------
 def telechat_units(shape: ModelShape, layout: ParallelLayout, *, tokens: int, optimizer_shard: bool = True,
                    recompute: bool = False, weight_bytes: float = 6.0, optimizer_bytes: float = 12.0,
                    activation_bytes: float = 2.0, flops_per_second: float = 1.0,

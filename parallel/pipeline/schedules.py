@@ -241,7 +241,8 @@ def validate(schedule: Schedule) -> ScheduleReport:
         for s in range(p):
             if head[s] < len(slots[s]):
                 slot = slots[s][head[s]]
-                need = [f"{a} on stage {t}" for x in slot for t, a in dependencies(schedule, s, x) if (t, a) not in done]
+                need = [f"{a} on stage {t}" for x in slot for t, a in dependencies(schedule, s, x)
+                        if (t, a) not in done]
                 waits.append(f"stage {s} at {'+'.join(map(str, slot))} waits for {', '.join(need)}")
         raise ScheduleError(f"schedule {schedule.name} deadlocks: " + "; ".join(waits))
     peak, by_chunk = [], []
