@@ -10,6 +10,7 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from parallel.layout import LayoutError, ParallelLayout
 from parallel.planner.cluster import ClusterError, load_cluster
@@ -98,7 +99,7 @@ def parse_layout(text: str, w: Workload, recipe) -> dict:
                         (tp <= w.cluster.devices_per_node,
                          f"tp={tp} spans more than one node of {w.cluster.devices_per_node} devices")):
         if not ok:
-            raise PlanError(f"--evaluate: {ok or message}")
+            raise PlanError(f"--evaluate: {message}")
     return layout
 
 
@@ -134,19 +135,23 @@ def run_evaluate(w: Workload, layout: dict) -> list[Candidate]:
     even = evaluate(w, Layouts.single(**layout))
     sim = simulate_layout(w, layout, even_assignment(w, layout))
     print(f"layout {layout_text(layout)}")
-    print(f"  even split, analytic : step {even['step_time'][0]:.3f} s, {even['tokens_per_s_per_device'][0]:.1f} "
+    print(f"  even split, analytic   : step {even['step_time'][0]:.3f} s, {even['tokens_per_s_per_device'][0]:.1f} "
           f"tokens/s/device, MFU {100 * even['mfu'][0]:.1f}%, peak memory {even['memory'][0] / GIB:.1f} GiB "
           f"(usable {w.cluster.usable_memory / GIB:.1f}), bubble {100 * even['bubble'][0]:.1f}%")
-    print(f"  even split, simulated: step {sim.step_time:.3f} s, bubble {100 * sim.result.bubble_ratio:.1f}%, "
+    print(f"  even split, simulated  : step {sim.step_time:.3f} s, bubble {100 * sim.result.bubble_ratio:.1f}%, "
           f"memory per stage (GiB) {[round(m / GIB, 1) for m in sim.memory_per_stage]}")
     a = solve_ilp(w, layout)
     if a is None:
         print("  ILP: no layers/recompute assignment fits in memory")
         return []
-    c = Candidate(layout, a, score_assignment(w, layout, a))
-    print(f"  ILP-balanced         : step {c.scores['step_time']:.3f} s, "
-          f"{c.scores['tokens_per_s_per_device']:.1f} tokens/s/device, MFU {100 * c.scores['mfu']:.1f}%, "
-          f"peak memory {c.scores['memory'] / GIB:.1f} GiB\n  {stage_text(c)}")
+    analytic = score_assignment(w, layout, a)
+    sim = simulate_layout(w, layout, a)
+    c = Candidate(layout, a, {**sim.scores, "analytic_step_time": analytic["step_time"],
+                              "memory_per_stage": sim.memory_per_stage})
+    print(f"  ILP-balanced, analytic : step {analytic['step_time']:.3f} s\n"
+          f"  ILP-balanced, simulated: step {sim.step_time:.3f} s, {sim.scores['tokens_per_s_per_device']:.1f} "
+          f"tokens/s/device, MFU {100 * sim.scores['mfu']:.1f}%, peak memory {sim.scores['memory'] / GIB:.1f} GiB, "
+          f"bubble {100 * sim.scores['bubble']:.1f}%\n  {stage_text(c)}")
     return [c]
 
 
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and value < 1:
                 raise PlanError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
         recipe, recipe_path = read_recipe(args.recipe)
-        if args.write and recipe_path.resolve() == __import__("pathlib").Path(args.write).resolve():
+        if args.write and recipe_path.resolve() == Path(args.write).resolve():
             raise PlanError("--write: refusing to overwrite the input recipe; name a new file")
         args.devices = args.devices or recipe.layout.world_size
         w = build_workload(args, recipe)

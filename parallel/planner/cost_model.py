@@ -62,6 +62,7 @@ class Workload:
     global_batch: int  # sequences per step
     precision: Precision = Precision()
     shard_optimizer: bool = True
+    overlap_grad_reduce: bool = True  # DP reduce-scatter / all-gather hidden behind the last backward / first forward
 
 
 @dataclass
@@ -476,7 +477,7 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     dense, expert = mem["dense_params"], mem["expert_params"]
     rs = c.all_gather(dense * p.grad_bytes, c.dp, c.tp) + c.all_gather(expert * p.grad_bytes, edp, lay.ep * lay.etp)
     ag = c.all_gather(dense * p.param_bytes, c.dp, c.tp) + c.all_gather(expert * p.param_bytes, edp, lay.ep * lay.etp)
-    exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd)
+    exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd) if w.overlap_grad_reduce else rs + ag
     master = 4 if p.param_bytes < 4 else 0
     per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * master + p.param_bytes
     shards_d = c.dp if w.shard_optimizer else 1.0
@@ -532,14 +533,16 @@ def evaluate(w: Workload, lay: Layouts) -> dict[str, np.ndarray]:
     p2p = p2p_time(w, lay)
     pipe = step_time(lay.m, lay.vpp, pp, fb_max, f_all + b_all, p2p)
     total = pipe + np.max(updates, axis=0)
-    return summarise(w, lay, total, pipe, fb_max, np.max(mems, axis=0))
+    return summarise(w, lay, total, pipe, f_all + b_all, np.max(mems, axis=0))
 
 
-def summarise(w: Workload, lay: Layouts, total, pipe, fb_max, memory) -> dict[str, np.ndarray]:
+def summarise(w: Workload, lay: Layouts, total, pipe, work, memory) -> dict[str, np.ndarray]:
+    """Throughput, MFU, fit and bubble from the step time `total`, the pipeline part `pipe` and the per-micro-batch
+    `work` summed over stages; bubble is the idle share of all stages during the pipeline part."""
     tokens = w.global_batch * w.seq_length
     tps = tokens / total / w.devices
     model_flops = flops_per_token(w.shape, w.seq_length)["training"]
     return {"step_time": total, "tokens_per_s_per_device": tps,
             "mfu": tps * model_flops / w.cluster.flops(w.precision.matmul_dtype),
             "memory": memory, "fits": memory <= w.cluster.usable_memory,
-            "bubble": 1.0 - lay.m * fb_max / pipe}
+            "bubble": 1.0 - lay.m * work / (lay.pp * pipe)}

@@ -109,8 +109,8 @@ def write_recipe(path: str, base_recipe: Path, c: Candidate, w: Workload, comman
         f"# Cluster {w.cluster.name}, {w.devices} devices, seq {w.seq_length}, global batch {w.global_batch}.",
         f"# Predicted: step {sc['step_time']:.3f} s, {sc['tokens_per_s_per_device']:.1f} tokens/s/device, "
         f"MFU {100 * sc['mfu']:.1f}%, peak memory {sc['memory'] / GIB:.1f} GiB, bubble {100 * sc['bubble']:.1f}%.",
-        f"# Micro-batch size {c.layout['mbs']} sequences; EP overlap (two chunks on two streams): "
-        f"{'on' if c.layout['ep_overlap'] else 'off'}.",
+        f"# Micro-batch size {c.layout['mbs']} sequences; EP scheme {c.layout['ep_scheme']}; EP overlap (two chunks "
+        f"on two streams): {'on' if c.layout['ep_overlap'] else 'off'}.",
         f"# Per stage (not yet recipe keys): {stage_text(c)}",
     ]
     body = {"base": base, **recipe_overrides(c, w, w.cluster.devices_per_node)}

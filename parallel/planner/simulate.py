@@ -58,9 +58,8 @@ def simulate_layout(w: Workload, layout: dict, a: StageAssignment | None = None,
     step = sim.step_time + float(update_time(w, _repeat(layout, pp), params, fwd, bwd).max())
     static = per_stage(mem["weights"] + mem["grads"] + mem["optimizer"]) + mem["transient"].reshape(pp, v).max(axis=1)
     memory = [float(x) for x in static + np.array(sim.peak_activation)]
-    busiest = float((fwd + bwd).max())
     scores = summarise(w, Layouts.single(**layout), np.array([step]), np.array([sim.step_time]),
-                       np.array([busiest]), np.array([max(memory)]))
+                       np.array([float((fwd + bwd).sum())]), np.array([max(memory)]))
     out = {k: float(v[0]) for k, v in scores.items()}
     out["bubble"] = sim.bubble_ratio  # idle share of all stages, from the timeline
     return Simulation(sim, step, memory, out)

@@ -138,7 +138,7 @@ def score_assignment(w: Workload, layout: dict, a: StageAssignment) -> dict:
     t = r["chunk_time"][0]
     pipe = step_time(one.m, one.vpp, one.pp, t.max(axis=0).sum(), t.sum(), p2p_time(w, one))
     total = pipe + update_time(w, lay, per_stage, r["fwd"][0], r["bwd"][0]).max()
-    scores = summarise(w, one, total, pipe, np.array([t.max(axis=0).sum()]), np.array([r["memory"][0].max()]))
+    scores = summarise(w, one, total, pipe, np.array([t.sum()]), np.array([r["memory"][0].max()]))
     out = {k: float(np.asarray(v).ravel()[0]) for k, v in scores.items()}
     out["memory_per_stage"] = [float(x) for x in r["memory"][0]]
     return out
