@@ -5,7 +5,8 @@
 
 Measuring (the real TeleChat3-MoE model of the recipe, graph mode, the trainer's ForwardBackward cell):
 1. Calibration: one document of length L per sample, for L = bucket, 2*bucket, ..., seq_length; the least of
-   --repeats runs is kept. The coefficients are fitted by non-negative least squares; R^2 is reported.
+   --repeats runs is kept. Times are CPU seconds of the process (all threads), which a shared machine's other
+   load disturbs far less than wall time. The coefficients are fitted by non-negative least squares; R^2 is reported.
 2. Dense-mask check: full samples of seq_length holding 1..16 documents. On CPU the model masks attention per
    document but still computes every query-key pair, so these times should not follow sum(l^2): the spread is
    printed next to the modelled one. Balancing pays off where attention skips masked blocks (FlashAttention
@@ -87,19 +88,22 @@ class Stepper:
         seg = np.repeat(np.arange(len(lens), dtype=np.int32), lens)[None]
         pos = np.arange(length, dtype=np.int32)[None]
         args = (Tensor(ids), Tensor(ids), Tensor(mask), Tensor(seg), Tensor(pos), Tensor(1.0, ms.float32))
-        start = time.perf_counter()
+        # CPU seconds of all threads, not wall time: on a shared machine the wall clock also counts the time
+        # other processes hold the cores, which has nothing to do with this work.
+        start = time.process_time()
         out = self.fb(*args)
         out[0].asnumpy()
         for g in out[-1]:
             g.asnumpy()
-        return time.perf_counter() - start
+        return time.process_time() - start
 
 
 def calibrate(stepper: Stepper, lengths: list[int], repeats: int) -> tuple[list[np.ndarray], np.ndarray]:
     times = []
     for length in lengths:
         t0 = time.perf_counter()
-        stepper.seconds(length)                       # compile
+        for _ in range(2):                            # compile, then let thread pools and caches settle
+            stepper.seconds(length)
         best = min(stepper.seconds(length) for _ in range(repeats))
         times.append(best)
         print(f"  L={length:6d}: {best * 1e3:8.1f} ms (compile+warmup {time.perf_counter() - t0:5.1f} s)", flush=True)

@@ -162,6 +162,25 @@ def test_loader_ranks_together_hold_exactly_the_global_batch(mode):
             assert b["segment_ids"].shape == b["input_ids"].shape and b["segment_ids"].dtype == np.int32
 
 
+def test_balanced_loader_resumes_with_exactly_the_next_batch():
+    rng = np.random.default_rng(6)
+    docs = [np.arange(n, dtype=np.int32) + 10 for n in rng.integers(1, 200, 800)]
+    packed = pack_documents(docs, 64, eod_id=2)
+
+    def make():
+        return BatchLoader(packed, 8, seed=9, dp_rank=1, dp_size=2, micro_batch_num=2, attention_balance="repack")
+    straight = make()
+    want = [next(straight) for _ in range(6)]
+    first = make()
+    for _ in range(4):
+        next(first)
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for w in want[4:]:
+        got = next(resumed)
+        assert all(np.array_equal(w[k], got[k]) for k in w)
+
+
 def test_loader_rejects_unknown_mode_and_uneven_micro_batches():
     packed = _packed([50] * 200, 16)
     with pytest.raises(DataError, match="attention_balance"):
