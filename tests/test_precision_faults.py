@@ -182,7 +182,7 @@ def apply_ep(model, faulty_layer=None):
 
 def pp_stage0_divided_twice(names, grads, loss):
     """FAULT: the first pipeline stage (embedding, layers 0-1) divides its accumulated gradients by m again."""
-    stage0 = [n == "embed_tokens" or layer_of(n) in (0, 1) for n in names]
+    stage0 = [n.startswith("embed_tokens") or layer_of(n) in (0, 1) for n in names]
     return [g / MICRO if s else g for g, s in zip(grads, stage0)], loss
 
 
