@@ -121,10 +121,6 @@ class BlockCost:
     dense_params: np.ndarray
     expert_params: np.ndarray
 
-    def time(self, mode: int) -> np.ndarray:
-        """Forward + backward seconds of the block with recompute `mode`."""
-        return (self.fwd_compute + self.fwd_comm + self.bwd_compute + self.bwd_comm + self.recompute[mode]
-                + self.recompute_comm[mode])
 
 
 class _Costing:
@@ -501,11 +497,12 @@ def even_stage(w: Workload, lay: Layouts, stage) -> StagePlan:
                      mtp_mode=lay.recompute)
 
 
-def step_time(m, v, pp, stage_fb_max, stage_fb_sum, p2p):
-    """Analytic (interleaved) 1F1B step: (m - 1/v) * slowest period + total stage work / v + fill/drain sends.
-    Exact for uniform stages without communication: (m + (p-1)/v) * (F+B)."""
-    period = stage_fb_max + 2 * p2p
-    return (m - 1.0 / v) * period + stage_fb_sum / v + 2 * (pp - 1) * p2p
+def step_time(m, v, pp, period_work, total_work, p2p):
+    """Analytic (interleaved) 1F1B step: (m - 1/v) * per-micro-batch period + total stage work / v + fill/drain
+    sends. The period is the slowest stage's forward+backward (or, per chunk, the sum over chunks of the slowest
+    stage's chunk); exact for uniform stages without communication: (m + (p-1)/v) * (F+B)."""
+    period = period_work + 2 * p2p
+    return (m - 1.0 / v) * period + total_work / v + 2 * (pp - 1) * p2p
 
 
 def evaluate(w: Workload, lay: Layouts) -> dict[str, np.ndarray]:
