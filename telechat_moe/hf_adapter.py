@@ -70,11 +70,11 @@ def _kv_norm(c): return c.qk_layernorm
 
 
 RULES = (
-    Rule("model", "model.embed_tokens.weight", "embed_tokens", _vh),
+    Rule("model", "model.embed_tokens.weight", "embed_tokens.weight", _vh),
     Rule("model", "model.norm.weight", "norm.weight", _h),
     Rule("model", "lm_head.weight", "lm_head.weight", _vh, when=_untied),
     # a tied head: transformers' state_dict lists it, save_pretrained leaves it out
-    Rule("model", "lm_head.weight", "embed_tokens", _vh, "tied", when=lambda c: c.tie_word_embeddings),
+    Rule("model", "lm_head.weight", "embed_tokens.weight", _vh, "tied", when=lambda c: c.tie_word_embeddings),
     Rule("block", "input_layernorm.weight", "input_layernorm.weight", _h),
     Rule("block", "post_attention_layernorm.weight", "post_attention_layernorm.weight", _h),
     Rule("block", "self_attn.q_a_proj.weight", "self_attn.q_a_proj.weight",
@@ -116,9 +116,9 @@ RULES = (
     Rule("mtp", "eh_proj.weight", "eh_proj.weight", lambda c: (c.hidden_size, 2 * c.hidden_size)),
     Rule("mtp", "shared_head.norm.weight", "norm.weight", _h),
     # DeepSeek-V3 stores the embedding and head the MTP module shares with the main model once more.
-    Rule("mtp", "embed_tokens.weight", "embed_tokens", _vh, "shared"),
+    Rule("mtp", "embed_tokens.weight", "embed_tokens.weight", _vh, "shared"),
     Rule("mtp", "shared_head.head.weight", "lm_head.weight", _vh, "shared", when=_untied),
-    Rule("mtp", "shared_head.head.weight", "embed_tokens", _vh, "shared", when=lambda c: c.tie_word_embeddings),
+    Rule("mtp", "shared_head.head.weight", "embed_tokens.weight", _vh, "shared", when=lambda c: c.tie_word_embeddings),
 )
 
 

@@ -50,6 +50,17 @@ class Linear(nn.Cell):
         return y.reshape(shape[:-1] + (self.out_features,))
 
 
+class Embedding(nn.Cell):
+    """Token embedding as its own Cell, so a pipeline plan can give it a stage like any layer."""
+
+    def __init__(self, vocab_size: int, hidden: int, init_std: float):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(init_std), (vocab_size, hidden), ms.float32), name="weight")
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0)
+
+
 class SwiGLU(nn.Cell):
     """down(silu(gate(x)) * up(x)): the dense FFN and the shared expert."""
 

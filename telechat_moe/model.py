@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore import Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import grouped_matmul_for
 from telechat_moe.config import ModelConfig
-from telechat_moe.layers import Linear, RMSNorm, SwiGLU, logsumexp, ms_dtype
+from telechat_moe.layers import Embedding, Linear, RMSNorm, SwiGLU, logsumexp, ms_dtype
 from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
 from telechat_moe.moe.layer import MoELayer
 from telechat_moe.mtp import MTPBlock
+
+
+def pipeline_cell_names():
+    """Where each pipeline unit lives in TeleChatMoE, for the pipeline binding (which knows no model)."""
+    from parallel.pipeline.mindspore_binding import CellNames
+    return CellNames(embedding=("embed_tokens",), layer="layers.{i}", mtp=("mtp.0",), head=("norm", "lm_head"))
 
 
 class DecoderLayer(nn.Cell):
@@ -48,9 +53,7 @@ class TeleChatMoE(nn.Cell):
         super().__init__()
         self.cfg = cfg
         gmm = grouped_matmul_for(device_target)
-        self.embed_tokens = Parameter(
-            initializer(Normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size), ms.float32),
-            name="embed_tokens")
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
         self.layers = nn.CellList([DecoderLayer(cfg, i, gmm) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
@@ -65,7 +68,7 @@ class TeleChatMoE(nn.Cell):
 
     # ---- pieces -------------------------------------------------------------------------------------
     def embed(self, input_ids):
-        return ops.gather(self.embed_tokens, input_ids, 0)
+        return self.embed_tokens(input_ids)
 
     def rope(self, position_ids):
         cos = ops.expand_dims(ops.gather(self.cos, position_ids, 0), 1)
@@ -82,7 +85,7 @@ class TeleChatMoE(nn.Cell):
         return h, aux, z, loads
 
     def logits(self, h):
-        w = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         b, s, d = h.shape
         return self.head_matmul(h.reshape(b * s, d).astype(ms.float32), w.astype(ms.float32))
 
@@ -101,8 +104,8 @@ class TeleChatMoE(nn.Cell):
         h, aux, z, loads = self.run_layers(self.embed(input_ids), cos, sin, bias, 0, self.cfg.num_hidden_layers)
         return h, aux, z, loads, (cos, sin, bias)
 
-    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids):
-        h, aux, z, loads, (cos, sin, bias) = self.hidden_states(input_ids, segment_ids, position_ids)
+    def head_losses(self, h, labels, loss_mask, cos, sin, bias, aux, z, loads):
+        """Everything after the decoder layers: final norm, head, MTP blocks, and the losses."""
         lm_loss = self.cross_entropy(self.logits(self.norm(h)), labels, loss_mask)
         mtp_loss = 0.0
         next_ids, mtp_mask = labels, loss_mask
@@ -119,3 +122,7 @@ class TeleChatMoE(nn.Cell):
             mtp_loss = mtp_loss / len(self.mtp)
         total = lm_loss + self.cfg.mtp_loss_factor * mtp_loss + aux + z
         return total, lm_loss, mtp_loss, aux, z, ops.stack(loads)
+
+    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids):
+        h, aux, z, loads, (cos, sin, bias) = self.hidden_states(input_ids, segment_ids, position_ids)
+        return self.head_losses(h, labels, loss_mask, cos, sin, bias, aux, z, loads)

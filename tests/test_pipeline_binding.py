@@ -129,3 +129,17 @@ def test_mindspore_applies_it():
     del net.mtp  # a plan naming a cell the network lacks is refused by MindSpore itself
     with pytest.raises(KeyError, match="mtp"):
         cfg.wrap(net)
+
+
+def test_binding_names_cells_that_exist_in_our_model():
+    """The plan for a small pipelined tiny model names only cells that TeleChatMoE really has."""
+    from telechat_moe.model import TeleChatMoE, pipeline_cell_names
+    recipe = recipe_mod.load_recipe("tiny", ["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"])
+    shape, layout = recipe.model.to_model_shape(), recipe.layout
+    in_flight = validate(build("1f1b", layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
+    placement = balance(telechat_units(shape, layout, tokens=shape.seq_length), layout.pp, layout.vpp,
+                        PlacementOptions(), in_flight)
+    cfg = bind(placement, "1f1b", layout.micro_batch_num, layout, names=pipeline_cell_names())
+    cells = {name for name, _ in TeleChatMoE(recipe.model).cells_and_names()}
+    assert set(cfg.stage_config) <= cells
+    assert {f"layers.{i}" for i in range(shape.num_layers)} <= set(cfg.stage_config)

@@ -45,3 +45,40 @@ def test_expert_bias_is_not_trained_and_moves_by_its_rule(trainer):
     moved = [n for n, p in ((p.name, p) for p in trainer.weights) if np.any(p.asnumpy() != weights_before[n])]
     assert len(moved) == len(weights_before)           # the optimizer stepped every trainable parameter
     assert np.isfinite(values["loss"]) and values["grad_norm"] > 0
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(trainer, tmp_path):
+    """micro_batch_num=2 (two half batches, gradients summed then scaled) steps to the same weights as one
+    micro-batch of the whole batch; only the summation order differs."""
+    from precision.tolerance import chain_tolerance, relative_error
+    from telechat_moe.checkpoint import load_checkpoint, save_checkpoint
+    params = trainer._all_params()
+    start = save_checkpoint(tmp_path, 0, 0, params, {"step": 0}, keep=1)
+    batch = trainer.loader.batch_at(0, 2)
+    results = []
+    for micro in (1, 2):
+        load_checkpoint(start, params)
+        trainer.micro = micro
+        values, _ = trainer.train_step(batch)
+        results.append(({p.name: p.asnumpy().copy() for p in trainer.weights}, values))
+    trainer.micro = 1
+    (w1, v1), (w2, v2) = results
+    tol = chain_tolerance("float32", [2 * trainer.r.model.seq_length] * 2)
+    assert relative_error(v2["loss"], v1["loss"]) <= tol.rtol
+    worst = max(relative_error(w2[n], w1[n]) for n in w1)
+    assert worst <= tol.rtol, worst
+
+
+def test_dynamic_loss_scale_backs_off_and_grows():
+    from telechat_moe.trainer import LossScaler
+    s = LossScaler(scale=1024.0, dynamic=True, window=3)
+    s.update(False)
+    assert s.scale == 512.0
+    for _ in range(3):
+        s.update(True)
+    assert s.scale == 1024.0
+    fixed = LossScaler.from_recipe(load_recipe("tiny", ["training.loss_scale=128"]))
+    fixed.update(False)
+    assert fixed.scale == 128.0 and not fixed.dynamic
+    assert LossScaler.from_recipe(load_recipe("tiny", ["model.compute_dtype=float16"])).dynamic
+    assert LossScaler.from_recipe(load_recipe("tiny")).scale == 1.0

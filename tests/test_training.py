@@ -218,7 +218,7 @@ def test_checkpoint_of_another_model_shape_is_refused_and_kept(tmp_path):
     from mindspore import Parameter, Tensor
     from telechat_moe.checkpoint import save_checkpoint
     out = tmp_path / "out"
-    foreign = [Parameter(Tensor(np.zeros((10, 12), np.float32)), name="embed_tokens")]
+    foreign = [Parameter(Tensor(np.zeros((10, 12), np.float32)), name="embed_tokens.weight")]
     save_checkpoint(out / "checkpoints", 0, 5, foreign, {"step": 5}, keep=3)
     before = _digest(out)
     proc = run_cli("run_train.py", "--recipe", "tiny", "--resume", *sets(*SHORT, f"output_dir={out}"))
