@@ -90,7 +90,7 @@ def measure(name: str, recipe: str, overrides: list[str], dp: int, steps: int, o
         logs = None
     else:
         logs = out / f"msrun_{name}"
-        cmd = ["msrun", f"--worker_num={dp}", f"--local_worker_num={dp}", f"--master_port={8200 + os.getpid() % 500}",
+        cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={dp}", f"--local_worker_num={dp}", f"--master_port={8200 + os.getpid() % 500}",
                "--join=True", f"--log_dir={logs}", "--cluster_time_out=300", __file__, "--worker", spec]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     text = r.stdout + (((logs / "worker_0.log").read_text()) if logs and (logs / "worker_0.log").exists() else "")
