@@ -85,13 +85,14 @@ def measure(name: str, recipe: str, overrides: list[str], dp: int, steps: int, o
     spec = json.dumps({"recipe": recipe, "overrides": overrides, "dp": dp, "steps": steps,
                        "out": str(out / recipe)})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_MF_PATH": str(out / "mflog"), "GLOG_v": "3"}
+    env["PLANNER_ACCURACY_WORKER"] = spec  # not an argument: msrun would take --worker for one of its own
     if dp == 1:
-        cmd = [sys.executable, __file__, "--worker", spec]
+        cmd = [sys.executable, __file__]
         logs = None
     else:
         logs = out / f"msrun_{name}"
         cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={dp}", f"--local_worker_num={dp}", f"--master_port={8200 + os.getpid() % 500}",
-               "--join=True", f"--log_dir={logs}", "--cluster_time_out=300", __file__, "--worker", spec]
+               "--join=True", f"--log_dir={logs}", "--cluster_time_out=300", __file__]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     text = r.stdout + (((logs / "worker_0.log").read_text()) if logs and (logs / "worker_0.log").exists() else "")
     for line in text.splitlines():
@@ -150,15 +151,14 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--png", help="write predicted-vs-measured scatter plots")
     ap.add_argument("--json", help="write the per-case results")
-    args = ap.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
+    if os.environ.get("PLANNER_ACCURACY_WORKER"):
+        worker(json.loads(os.environ["PLANNER_ACCURACY_WORKER"]))
         return
+    args = ap.parse_args()
     if args.steps < 3:
         ap.error("--steps: at least 3 (two warm-up steps, then the timed ones)")
     configs = [c for c in CONFIGS if not args.only or c[0] in args.only]
