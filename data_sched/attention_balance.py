@@ -197,7 +197,7 @@ class _Pieces:
     def take(self, order: np.ndarray) -> "_Pieces":
         counts = np.diff(self.offsets)[order]
         idx = _segment_positions(self.offsets[:-1][order], counts)
-        return _Pieces(self.rows[idx], np.concatenate([[0], np.cumsum(counts)]))
+        return _Pieces(np.take(self.rows, idx, axis=0), np.concatenate([[0], np.cumsum(counts)]))
 
     def split(self) -> list[np.ndarray]:
         return np.split(self.rows, self.offsets[1:-1])
@@ -206,11 +206,6 @@ class _Pieces:
     def join(cls, per_sample: list[np.ndarray]) -> "_Pieces":
         counts = np.fromiter((len(x) for x in per_sample), dtype=np.int64, count=len(per_sample))
         return cls(np.concatenate(per_sample), np.concatenate([[0], np.cumsum(counts)]))
-
-
-def _slot_costs(pieces: _Pieces, cost: CostModel, seq: int, slots: int) -> np.ndarray:
-    per_sample = cost.a * pieces.sum_sq() + cost.b * seq + cost.c
-    return per_sample.reshape(slots, -1).sum(axis=1)
 
 
 def _best_trade(hot: np.ndarray, cold: np.ndarray, h_sq: float, c_sq: float):
@@ -297,17 +292,22 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
     mbs = g // slots
     seq = int(np.sum(samples_doc_lens[0]))
     pieces = _Pieces.of(samples_doc_lens)
-    before = _slot_costs(pieces, cost_model, seq, slots)
+    fixed = cost_model.b * seq + cost_model.c
+    sample_sq = pieces.sum_sq()
+    before = (cost_model.a * sample_sq + fixed).reshape(slots, mbs).sum(axis=1)
     if mode != "off":
-        sample_cost = cost_model.a * pieces.sum_sq()
-        pieces = pieces.take(balanced_partition(sample_cost, slots).reshape(-1))
+        order = balanced_partition(cost_model.a * sample_sq, slots).reshape(-1)
         if mode == "repack":
-            pieces = _repack_moves(pieces, mbs, max_moves=8 * slots)
-        rank_slots = balanced_partition(_slot_costs(pieces, cost_model, seq, slots), dp)   # [dp, mb]
+            # One trade per slot on average: more buys under 0.5% on long-tailed batches, at several times the time.
+            pieces = _repack_moves(pieces.take(order), mbs, max_moves=slots)
+            sample_sq, order = pieces.sum_sq(), np.arange(g)
+        slot_cost = (cost_model.a * sample_sq[order] + fixed).reshape(slots, mbs).sum(axis=1)
+        rank_slots = balanced_partition(slot_cost, dp)                                    # [dp, mb]
         rng = np.random.default_rng([seed, 0xBA1])
         rank_slots = rng.permuted(rank_slots[rng.permutation(dp)], axis=1)
-        pieces = pieces.take((rank_slots.reshape(-1, 1) * mbs + np.arange(mbs)).reshape(-1))
-    after = _slot_costs(pieces, cost_model, seq, slots)
+        order = order[(rank_slots.reshape(-1, 1) * mbs + np.arange(mbs)).reshape(-1)]
+        pieces, sample_sq = pieces.take(order), sample_sq[order]   # one gather of the pieces for both steps
+    after = (cost_model.a * sample_sq + fixed).reshape(slots, mbs).sum(axis=1)
     return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, pieces.rows, pieces.offsets, before, after)
 
 
