@@ -104,6 +104,18 @@ class TeleChatMoE(nn.Cell):
         h, aux, z, loads = self.run_layers(self.embed(input_ids), cos, sin, bias, 0, self.cfg.num_hidden_layers)
         return h, aux, z, loads, (cos, sin, bias)
 
+    def layer_outputs(self, input_ids, segment_ids, position_ids):
+        """The embedding, every decoder layer's output and the final norm, in forward order (for tensor dumps)."""
+        cos, sin = self.rope(position_ids)
+        bias = attention_bias(segment_ids, self.causal)
+        h = self.embed(input_ids)
+        outs = [h]
+        for layer in self.layers:
+            h = layer(h, cos, sin, bias)[0]
+            outs.append(h)
+        outs.append(self.norm(h))
+        return tuple(outs)
+
     def head_losses(self, h, labels, loss_mask, cos, sin, bias, aux, z, loads):
         """Everything after the decoder layers: final norm, head, MTP blocks, and the losses."""
         lm_loss = self.cross_entropy(self.logits(self.norm(h)), labels, loss_mask)

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay (norms and the router's expert bias excluded) and the LR schedule.
+"""AdamW (MindFormers' implementation: PyTorch's update with bias correction and decoupled weight decay; norms
+and the router's expert bias are not decayed) and the LR schedule.
 
 The learning rate is a pure function of the step, set into the optimizer before each update, so the value that is
 logged is the value that is used, and resuming at step n needs nothing but n.
@@ -26,10 +27,12 @@ def _decays(param: Parameter) -> bool:
 
 
 def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_decay: float) -> nn.Optimizer:
+    # MindSpore's own nn.AdamWeightDecay has no bias correction; MindFormers' AdamW matches torch.optim.AdamW.
+    from mindformers.core.optim.adamw import AdamW
     groups = [{"params": [p for p in params if _decays(p)], "weight_decay": weight_decay},
               {"params": [p for p in params if not _decays(p)], "weight_decay": 0.0}]
     learning_rate = Parameter(Tensor(lr, ms.float32), name="learning_rate", requires_grad=False)
-    return nn.AdamWeightDecay(groups, learning_rate=learning_rate, beta1=betas[0], beta2=betas[1], eps=eps)
+    return AdamW(groups, learning_rate=learning_rate, betas=(float(betas[0]), float(betas[1])), eps=float(eps))
 
 
 def set_lr(optimizer: nn.Optimizer, lr: float) -> None:

@@ -81,6 +81,8 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     loss_scale: str = "auto"             # auto (dynamic for float16, off otherwise) | dynamic | none | a number
     loss_scale_window: int = 1000
+    dump_steps: str = ""                 # e.g. "1,10-12": dump forward outputs, gradients, optimizer states, losses
+    dump_dir: str = ""                   # empty: <output_dir>/dump (python -m precision.compare RUN_A RUN_B)
 
 
 @dataclass
@@ -318,6 +320,12 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
         _require(getattr(t, key) >= 0, f"training.{key}: expected 0 or more, got {getattr(t, key)}")
     _require(t.loss_scale in ("auto", "dynamic", "none") or _is_number(t.loss_scale),
              f"training.loss_scale: expected auto, dynamic, none or a number, got {t.loss_scale!r}")
+    if t.dump_steps:
+        from precision.dump import DumpError, parse_steps
+        try:
+            parse_steps(t.dump_steps, "training.dump_steps")
+        except DumpError as e:
+            raise RecipeError(str(e)) from None
     o = r.optimizer
     _require(o.type in ("AdamW",), f"optimizer.type: expected AdamW, got {o.type!r}")
     _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),

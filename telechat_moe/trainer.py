@@ -100,6 +100,15 @@ class SumOverRanks(nn.Cell):
         return self.all_reduce(x)
 
 
+class LayerOutputs(nn.Cell):
+    def __init__(self, model: TeleChatMoE):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, input_ids, segment_ids, position_ids):
+        return self.model.layer_outputs(input_ids, segment_ids, position_ids)
+
+
 class Evaluate(nn.Cell):
     def __init__(self, model: TeleChatMoE):
         super().__init__(auto_prefix=False)
@@ -176,6 +185,7 @@ class Trainer:
 
         self.model = TeleChatMoE(cfg, recipe.context.device_target)
         o = recipe.optimizer
+        os.environ.setdefault("LOG_MF_PATH", str(self.out / "logs" / "mindformers"))  # MindFormers' own log
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
         # Gradients must come in the optimizer's order, which groups decayed parameters first.
         self.weights = self.optimizer.parameters
@@ -190,6 +200,7 @@ class Trainer:
         self.micro = p.micro_batch_num
         self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, rank, p.data_parallel)
         self.step = 0
+        self.dumper = self._dump_writer()
 
         shape = cfg.to_model_shape()
         from parallel.planner.model_shape import flops_per_token
@@ -205,6 +216,39 @@ class Trainer:
         n_params = sum(w.size for w in self.weights)
         info(f"[model] {n_params:,} trainable parameters; layout {recipe.layout.describe()}; "
              f"peak {peak_flops / 1e9:.1f} GFLOP/s per device for MFU", self.main)
+
+    # -- tensor dumps (precision/) --
+    def _dump_writer(self):
+        t = self.r.training
+        if not t.dump_steps:
+            return None
+        from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
+        self.layer_outputs = LayerOutputs(self.model)
+        meta = {"model_config_hash": config_hash(self.r.model), "layout": layout_meta(self.r.layout),
+                "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
+        return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
+                          steps=parse_steps(t.dump_steps, "training.dump_steps"), rank=self.rank)
+
+    def _forward_records(self, batch: dict) -> list:
+        from precision.dump import TensorRecord
+        ids, _, _, segments, positions = self._tensors(batch, slice(None))
+        outs = self.layer_outputs(ids, segments, positions)
+        h = self.r.model.hidden_size
+        names = ["embed_tokens"] + [f"layers.{i}" for i in range(len(outs) - 2)] + ["norm"]
+        return [TensorRecord(name, "forward", out, layer=i - 1 if name.startswith("layers.") else None,
+                             operator="decoder_layer" if name.startswith("layers.") else name, k=h, dims="bsh")
+                for i, (name, out) in enumerate(zip(names, outs))]
+
+    def _dump(self, step: int, forward: list, values: dict, grads) -> None:
+        from precision.capture import grad_records, optimizer_records
+        from precision.dump import TensorRecord
+        names = [p.name for p in self.weights]
+        opt = self.optimizer
+        records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items()
+                             if k.endswith("loss")]
+        records += grad_records(names, grads)
+        records += optimizer_records({"adam_m": list(opt.exp_avg), "adam_v": list(opt.exp_avg_sq)}, names)
+        self.dumper.write(step, records)
 
     # -- data --
     def _prepare_data(self):
@@ -264,6 +308,8 @@ class Trainer:
 
     # -- steps --
     def train_step(self, batch: dict) -> tuple[dict, np.ndarray]:
+        dumping = self.dumper is not None and self.dumper.wants(self.step + 1)
+        forward = self._forward_records(batch) if dumping else []
         local = batch["input_ids"].shape[0]
         mb = local // self.micro
         scale = Tensor(self.scaler.scale, ms.float32)
@@ -290,6 +336,8 @@ class Trainer:
             values["z_loss"] = z
         if self.scaler.dynamic:
             values["loss_scale"] = self.scaler.scale
+        if dumping:
+            self._dump(self.step + 1, forward, values, grads)
         return values, loads
 
     def held_out_loss(self) -> float | None:

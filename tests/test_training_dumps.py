@@ -1,0 +1,39 @@
+"""The trainer's tensor dumps feed precision.compare: two identical runs agree; a run from other initial weights
+diverges first at the embedding's forward output; a run of another model is refused with one line."""
+from __future__ import annotations
+
+from tests.helpers import assert_one_line_error, run_cli
+
+SHORT = ["model.seq_length=32", "model.max_position_embeddings=32", "model.original_max_position_embeddings=32",
+         "training.global_batch_size=2", "training.train_steps=2", "training.eval_interval=0",
+         "training.dump_steps=1-2"]
+
+
+def train(out, *extra, tokenizer=None):
+    sets = SHORT + [f"output_dir={out}", *extra] + ([f"data.tokenizer={tokenizer}"] if tokenizer else [])
+    proc = run_cli("run_train.py", "--recipe", "tiny", *[x for s in sets for x in ("--set", s)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "dump"
+
+
+def test_dumps_compare_and_localise(tmp_path):
+    a = train(tmp_path / "a")
+    tok = tmp_path / "a" / "tokenizer.model"
+    b = train(tmp_path / "b", tokenizer=tok)
+    names = sorted(p.name for p in a.iterdir())
+    assert "run.json" in names and "step_00000001.rank0.safetensors" in names and "step_00000002.rank0.json" in names
+    same = run_cli("-m", "precision.compare", str(a), str(b))
+    assert same.returncode == 0, same.stdout + same.stderr
+
+    c = train(tmp_path / "c", "seed=7", tokenizer=tok)
+    diverged = run_cli("-m", "precision.compare", str(a), str(c))
+    assert diverged.returncode == 1, diverged.stdout + diverged.stderr
+    assert "embed_tokens" in diverged.stdout
+
+    d = train(tmp_path / "d", "model.moe_intermediate_size=96", tokenizer=tok)
+    assert_one_line_error(run_cli("-m", "precision.compare", str(a), str(d)), "model")
+
+
+def test_bad_dump_steps_is_a_recipe_error():
+    proc = run_cli("run_train.py", "--recipe", "tiny", "--set", "training.dump_steps=3-1", "--dry-run")
+    assert_one_line_error(proc, "training.dump_steps")
