@@ -28,6 +28,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     qk_layernorm: bool = True                # RMSNorm on the q and kv latents
+    # dense: [s, s] scores with a per-document causal mask; varlen: only the blocks inside each document (cost
+    # follows sum of squared document lengths; FlashAttention's actual_seq_len on Ascend)
+    attention_kernel: str = "dense"
 
     # RoPE with optional YaRN scaling (rotary_scaling_factor > 1)
     rope_theta: float = 10000.0

@@ -69,8 +69,15 @@ def attention_bias(segment_ids, causal: Tensor):
     return ops.expand_dims((1.0 - visible.astype(ms.float32)) * MASK_VALUE, 1)
 
 
+def dense_causal_attention(query, key, value, bias, scale: float, softmax_dtype, compute_dtype):
+    """softmax(q k^T * scale + bias) v over the full [s, s] score matrix; `bias` masks across documents."""
+    scores = ops.BatchMatMul(transpose_b=True)(query, key).astype(softmax_dtype) * scale + bias
+    probs = ops.softmax(scores, -1).astype(compute_dtype)
+    return ops.BatchMatMul()(probs, value.astype(compute_dtype))
+
+
 class MultiLatentAttention(nn.Cell):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
         super().__init__()
         std, cdt = cfg.initializer_range, ms_dtype(cfg.compute_dtype)
         self.cfg = cfg
@@ -87,12 +94,16 @@ class MultiLatentAttention(nn.Cell):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), std, cdt)
         self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, std, cdt)
         self.scale = cfg.softmax_scale()
-        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
-        self.bmm_pv = ops.BatchMatMul()
+        self.varlen = cfg.attention_kernel == "varlen"
+        if self.varlen:
+            from dvm_fusion.varlen_attention import attention_kernel_for
+            self.varlen_attention = attention_kernel_for(device_target)
         self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
         self.compute_dtype = cdt
 
-    def construct(self, x, cos, sin, bias):
+    def construct(self, x, cos, sin, mask):
+        """`mask` is what the attention kernel needs: the additive bias [b, 1, s, s] (dense) or the segment ids
+        [b, s] (varlen); TeleChatMoE.attention_mask makes it."""
         b, s, _ = x.shape
         h = self.num_heads
         if self.cfg.q_lora_rank:
@@ -113,7 +124,8 @@ class MultiLatentAttention(nn.Cell):
         query = ops.cat((q_nope, q_rot), -1)
         key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, s, self.rope))), -1)
 
-        scores = self.bmm_qk(query, key).astype(self.softmax_dtype) * self.scale + bias
-        probs = ops.softmax(scores, -1).astype(self.compute_dtype)
-        out = self.bmm_pv(probs, v.astype(self.compute_dtype))
+        if self.varlen:
+            out = self.varlen_attention(query, key, v, mask, self.scale)
+        else:
+            out = dense_causal_attention(query, key, v, mask, self.scale, self.softmax_dtype, self.compute_dtype)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, h * self.v_dim))

@@ -25,11 +25,11 @@ def pipeline_cell_names():
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, index: int, grouped_matmul):
+    def __init__(self, cfg: ModelConfig, index: int, grouped_matmul, device_target: str = "CPU"):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiLatentAttention(cfg)
+        self.self_attn = MultiLatentAttention(cfg, device_target)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoELayer(cfg, grouped_matmul)
@@ -39,9 +39,9 @@ class DecoderLayer(nn.Cell):
         self.zero = Tensor(0.0, ms.float32)
         self.no_load = Tensor(np.zeros(cfg.n_routed_experts, np.float32))
 
-    def construct(self, x, cos, sin, bias):
+    def construct(self, x, cos, sin, mask):
         """-> (hidden, aux loss, z loss, expert load); dense layers report zero losses and load."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias).astype(x.dtype)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask).astype(x.dtype)
         if self.is_moe:
             y, aux, z, load = self.mlp(self.post_attention_layernorm(x))
             return x + y.astype(x.dtype), aux, z, load
@@ -54,11 +54,11 @@ class TeleChatMoE(nn.Cell):
         self.cfg = cfg
         gmm = grouped_matmul_for(device_target)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
-        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, ms_dtype(cfg.compute_dtype))
-        self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm))
+        self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target))
                                 for d in range(cfg.num_nextn_predict_layers)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)
@@ -69,6 +69,12 @@ class TeleChatMoE(nn.Cell):
     # ---- pieces -------------------------------------------------------------------------------------
     def embed(self, input_ids):
         return self.embed_tokens(input_ids)
+
+    def attention_mask(self, segment_ids):
+        """What the attention kernel needs to keep documents apart: segment ids (varlen) or an additive bias."""
+        if self.cfg.attention_kernel == "varlen":
+            return segment_ids
+        return attention_bias(segment_ids, self.causal)
 
     def rope(self, position_ids):
         cos = ops.expand_dims(ops.gather(self.cos, position_ids, 0), 1)
@@ -100,14 +106,14 @@ class TeleChatMoE(nn.Cell):
     # ---- forward ------------------------------------------------------------------------------------
     def hidden_states(self, input_ids, segment_ids, position_ids):
         cos, sin = self.rope(position_ids)
-        bias = attention_bias(segment_ids, self.causal)
+        bias = self.attention_mask(segment_ids)
         h, aux, z, loads = self.run_layers(self.embed(input_ids), cos, sin, bias, 0, self.cfg.num_hidden_layers)
         return h, aux, z, loads, (cos, sin, bias)
 
     def layer_outputs(self, input_ids, segment_ids, position_ids):
         """The embedding, every decoder layer's output and the final norm, in forward order (for tensor dumps)."""
         cos, sin = self.rope(position_ids)
-        bias = attention_bias(segment_ids, self.causal)
+        bias = self.attention_mask(segment_ids)
         h = self.embed(input_ids)
         outs = [h]
         for layer in self.layers:

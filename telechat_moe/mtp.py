@@ -18,7 +18,7 @@ class MTPBlock(nn.Cell):
         self.block = block
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def construct(self, hidden, next_embeds, cos, sin, bias):
+    def construct(self, hidden, next_embeds, cos, sin, mask):
         h = self.eh_proj(ops.cat((self.enorm(next_embeds), self.hnorm(hidden)), -1))
-        h, aux, z, load = self.block(h, cos, sin, bias)
+        h, aux, z, load = self.block(h, cos, sin, mask)
         return self.norm(h), aux, z, load

@@ -31,6 +31,7 @@ def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_de
     from mindformers.core.optim.adamw import AdamW
     groups = [{"params": [p for p in params if _decays(p)], "weight_decay": weight_decay},
               {"params": [p for p in params if not _decays(p)], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
     learning_rate = Parameter(Tensor(lr, ms.float32), name="learning_rate", requires_grad=False)
     return AdamW(groups, learning_rate=learning_rate, betas=(float(betas[0]), float(betas[1])), eps=float(eps))
 

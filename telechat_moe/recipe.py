@@ -276,6 +276,8 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim: RoPE needs an even size, got {m.qk_rope_head_dim}")
     _require(m.first_k_dense_replace == 0 or m.intermediate_size >= 1,
              "model.intermediate_size: dense layers need a positive FFN size")
+    _require(m.attention_kernel in ("dense", "varlen"),
+             f"model.attention_kernel: expected dense or varlen, got {m.attention_kernel!r}")
     _require(m.scoring_func in ("sigmoid", "softmax"),
              f"model.scoring_func: expected sigmoid or softmax, got {m.scoring_func!r}")
     for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype", "layernorm_compute_dtype",

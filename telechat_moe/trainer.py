@@ -18,6 +18,7 @@ import mindspore as ms
 import yaml
 from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
 
+from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import prepare_data
 from telechat_moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -198,7 +199,11 @@ class Trainer:
         self.biases = expert_biases(self.model)
         self.scaler = LossScaler.from_recipe(recipe)
         self.micro = p.micro_batch_num
-        self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, rank, p.data_parallel)
+        d = recipe.data
+        cost = CostModel.load(d.attention_cost) if d.attention_cost else None
+        self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, rank, p.data_parallel,
+                                  micro_batch_num=p.micro_batch_num, attention_balance=d.attention_balance,
+                                  cost_model=cost)
         self.step = 0
         self.dumper = self._dump_writer()
 

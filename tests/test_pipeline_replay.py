@@ -162,8 +162,6 @@ class HeadAndLoss(nn.Cell):
 
 
 def model_batch(model, m: int, rows: int):
-    from telechat_moe.mla import attention_bias
-
     rng = np.random.default_rng(5)
     s, vocab = model.cfg.seq_length, model.cfg.vocab_size
     ids = rng.integers(0, vocab, (m * rows, s)).astype(np.int32)
@@ -176,7 +174,7 @@ def model_batch(model, m: int, rows: int):
     for i in range(m):
         part = [Tensor(a[i * rows:(i + 1) * rows]) for a in (ids, labels, mask, segments, positions)]
         cos, sin = model.rope(part[4])
-        mbs.append(((part[0],), (part[1], part[2], cos, sin, attention_bias(part[3], model.causal))))
+        mbs.append(((part[0],), (part[1], part[2], cos, sin, model.attention_mask(part[3]))))
     return full, mbs
 
 

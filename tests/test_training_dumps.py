@@ -22,16 +22,17 @@ def test_dumps_compare_and_localise(tmp_path):
     b = train(tmp_path / "b", tokenizer=tok)
     names = sorted(p.name for p in a.iterdir())
     assert "run.json" in names and "step_00000001.rank0.safetensors" in names and "step_00000002.rank0.json" in names
-    same = run_cli("-m", "precision.compare", str(a), str(b))
+    same = run_cli("-m", "precision.compare", str(a), str(b), "--png", str(tmp_path / "same.png"))
     assert same.returncode == 0, same.stdout + same.stderr
 
     c = train(tmp_path / "c", "seed=7", tokenizer=tok)
-    diverged = run_cli("-m", "precision.compare", str(a), str(c))
+    diverged = run_cli("-m", "precision.compare", str(a), str(c), "--png", str(tmp_path / "diverged.png"))
     assert diverged.returncode == 1, diverged.stdout + diverged.stderr
     assert "embed_tokens" in diverged.stdout
+    assert (tmp_path / "diverged.png").stat().st_size > 0
 
     d = train(tmp_path / "d", "model.moe_intermediate_size=96", tokenizer=tok)
-    assert_one_line_error(run_cli("-m", "precision.compare", str(a), str(d)), "model")
+    assert_one_line_error(run_cli("-m", "precision.compare", str(a), str(d), "--png", ""), "model")
 
 
 def test_bad_dump_steps_is_a_recipe_error():
