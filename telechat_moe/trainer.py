@@ -153,7 +153,9 @@ class LossScaler:
 # ---- the trainer ----------------------------------------------------------------------------------------
 def configure_mindspore(r: Recipe) -> None:
     ms.set_context(mode=r.context.mode, jit_config={"jit_level": r.context.jit_level})
-    ms.set_device(r.context.device_target)
+    # MindSpore fixes the device once kernels have run; setting the same one again would be refused.
+    if ms.get_context("device_target") != r.context.device_target:
+        ms.set_device(r.context.device_target)
     if r.context.enable_graph_kernel:
         ms.set_context(enable_graph_kernel=True)
 

@@ -112,8 +112,8 @@ def train_step(model: TeleChatMoE, batch, micro_batches: int = 1, reduce_grads=N
     # The states are the moments. The parameters after the step are not compared: AdamW's update
     # m / (sqrt(v) + eps) is close to sign(g), so where a gradient is near zero its float32 noise flips the
     # update by up to 2 * lr (precision/TOLERANCES.md).
-    states = {"exp_avg": [optimizer.moments1[position[n]].asnumpy() for n in names],
-              "exp_avg_sq": [optimizer.moments2[position[n]].asnumpy() for n in names]}
+    states = {"exp_avg": [optimizer.exp_avg[position[n]].asnumpy() for n in names],
+              "exp_avg_sq": [optimizer.exp_avg_sq[position[n]].asnumpy() for n in names]}
     return (forward + [TensorRecord("loss", "loss", np.array(loss, np.float32), None, "cross_entropy")]
             + grad_records(names, grads) + optimizer_records(states, names))
 
