@@ -84,21 +84,23 @@ def worker(spec: dict) -> None:
 def measure(name: str, recipe: str, overrides: list[str], dp: int, steps: int, out: Path) -> dict:
     spec = json.dumps({"recipe": recipe, "overrides": overrides, "dp": dp, "steps": steps,
                        "out": str(out / recipe)})
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_MF_PATH": str(out / "mflog"), "GLOG_v": "3"}
+    bin_dir = str(Path(sys.executable).parent)  # msrun starts workers with the `python` on PATH
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_MF_PATH": str(out / "mflog"), "GLOG_v": "3",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     env["PLANNER_ACCURACY_WORKER"] = spec  # not an argument: msrun would take --worker for one of its own
     if dp == 1:
         cmd = [sys.executable, __file__]
         logs = None
     else:
         logs = out / f"msrun_{name}"
-        cmd = [str(Path(sys.executable).parent / "msrun"), f"--worker_num={dp}", f"--local_worker_num={dp}", f"--master_port={8200 + os.getpid() % 500}",
+        cmd = [str(Path(bin_dir) / "msrun"), f"--worker_num={dp}", f"--local_worker_num={dp}", f"--master_port={8200 + os.getpid() % 500}",
                "--join=True", f"--log_dir={logs}", "--cluster_time_out=300", __file__]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    text = r.stdout + (((logs / "worker_0.log").read_text()) if logs and (logs / "worker_0.log").exists() else "")
+    text = r.stdout + "".join(f.read_text() for f in sorted(logs.glob("worker_*.log"))) if logs else r.stdout
     for line in text.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{name}: no result (rc {r.returncode}): {(r.stderr or text)[-2000:]}")
+    raise RuntimeError(f"{name}: no result (rc {r.returncode}): {(text + r.stderr)[-3000:]}")
 
 
 def predict(recipe_name: str, overrides: list[str], dp: int) -> dict:
