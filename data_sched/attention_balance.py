@@ -8,10 +8,12 @@ micro-batch is mbs consecutive rows of it. Modes:
 - reorder: a permutation of the samples. They are partitioned into dp*mb slots of exactly mbs samples (greedy
            longest-processing-time-first with the size limit, then swaps that lower the heaviest slot), and the
            slots are grouped into ranks of exactly mb slots the same way (this alone balances ranks when mbs = 1).
-- repack:  reorder, then move document pieces between slots: a piece of the most expensive slot trades places
-           with as many tokens of a cheap sample (its smallest pieces, the last one cut) from one of the coldest
-           slots. Every (input, label) token pair is kept exactly once; only where pieces sit, and one extra cut
-           per trade at most, change. Costlier than reorder: one small NumPy evaluation per trade.
+- repack:  reorder (with a few swaps only), then re-pack document pieces: the slots whose cost exceeds the mean
+           by more than REFINE_TOLERANCE, together with as many of the coldest slots as absorb their excess, are
+           rebuilt from their pieces (`_pack_slots`: the longest pieces spread whole, the rest filled in with a mix
+           of short and long pieces that levels the slots), kept only if that lowers the worst of them. Every
+           (input, label) token pair is kept exactly once; pieces are cut only where a sample's share of short or
+           long pieces ends (at most two cuts per re-packed sample) or, rarely, where a long piece fits no sample.
 
 The output lists segments (source sample, start, length) per output sample; each segment is one document piece,
 so the output document lengths are the segment lengths. NumPy and deterministic; the seed only decides which
@@ -19,7 +21,6 @@ balanced group lands on which rank and micro-batch, so no rank is systematically
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,6 +31,10 @@ from data_sched.attention_cost import CostModel
 MODES = ("off", "reorder", "repack")
 # Swapping stops once the heaviest part is this close to its lower bound: closer is below timing noise.
 REFINE_TOLERANCE = 5e-3
+# Long pieces per slot at most that repack places one by one; shorter pieces fill the rest as sand.
+BIG_PER_SLOT = 8
+# Swaps of the reorder that repack starts from.
+REPACK_SWAPS = 16
 
 
 @dataclass(frozen=True)
@@ -101,21 +106,17 @@ def partition_bound(costs: np.ndarray, parts: int) -> float:
 
 
 def _lpt(costs: np.ndarray, parts: int) -> np.ndarray:
-    """Largest first, each to the lightest part that still has room -> members [parts, k]."""
+    """Largest first, in rounds of `parts` items: the largest item of a round goes to the lightest part, the next
+    to the next lightest, so every part takes one item per round -> members [parts, k]."""
     k = len(costs) // parts
-    heap = [(0.0, p) for p in range(parts)]
-    fill = [0] * parts
-    values = costs.tolist()
-    slot = [0] * len(costs)
-    for i in np.argsort(-costs, kind="stable").tolist():
-        load, p = heap[0]
-        slot[i] = p
-        fill[p] += 1
-        if fill[p] < k:
-            heapq.heapreplace(heap, (load + values[i], p))
-        else:
-            heapq.heappop(heap)
-    return np.argsort(np.array(slot, dtype=np.int64), kind="stable").reshape(parts, k)
+    rounds = np.argsort(-costs, kind="stable").reshape(k, parts)
+    load = np.zeros(parts)
+    members = np.empty((parts, k), dtype=np.int64)
+    for r in range(k):
+        lightest = np.argsort(load, kind="stable")
+        members[lightest, r] = rounds[r]
+        load[lightest] += costs[rounds[r]]
+    return members
 
 
 def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: int) -> np.ndarray:
@@ -159,9 +160,9 @@ def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: i
     return members
 
 
-def balanced_partition(costs: np.ndarray, parts: int) -> np.ndarray:
+def balanced_partition(costs: np.ndarray, parts: int, max_swaps: int | None = None) -> np.ndarray:
     """Indices [parts, n/parts]: equal-size parts whose largest sum is within REFINE_TOLERANCE of the bound
-    where single swaps can get there. Deterministic."""
+    where single swaps (at most `max_swaps`, default 4 per part) can get there. Deterministic."""
     costs = np.asarray(costs, dtype=np.float64)
     n = len(costs)
     if parts < 1 or n % parts:
@@ -169,111 +170,286 @@ def balanced_partition(costs: np.ndarray, parts: int) -> np.ndarray:
     if parts == 1 or n == parts:
         return np.arange(n).reshape(parts, -1)
     target = partition_bound(costs, parts) * (1 + REFINE_TOLERANCE)
-    return _refine(costs, _lpt(costs, parts), target, max_rounds=4 * parts)
+    return _refine(costs, _lpt(costs, parts), target, max_rounds=4 * parts if max_swaps is None else max_swaps)
 
 
 # ---- the global batch ----------------------------------------------------------------------------------------
 
-@dataclass
-class _Pieces:
-    """Document pieces of G samples: flat (sample, start, length) rows, sample j's rows at offsets[j]:offsets[j+1]."""
-    rows: np.ndarray
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)])
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The document pieces of the global batch's samples, concatenated: piece i is tokens start[i]:start[i] +
+    length[i] of sample sample[i]; sample j holds pieces offsets[j]:offsets[j+1] and costs sq[j] = sum(l^2)."""
+    sample: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
     offsets: np.ndarray
+    sq: np.ndarray
 
     @classmethod
-    def of(cls, samples_doc_lens: Sequence[np.ndarray]) -> "_Pieces":
+    def of(cls, samples_doc_lens: Sequence[np.ndarray]) -> "_Source":
         counts = np.fromiter(map(len, samples_doc_lens), dtype=np.int64, count=len(samples_doc_lens))
-        lengths = np.concatenate(samples_doc_lens).astype(np.int64, copy=False)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        sample = np.repeat(np.arange(len(counts)), counts)
-        start = np.cumsum(lengths) - lengths
+        length = np.concatenate(samples_doc_lens).astype(np.int64, copy=False)
+        offsets = _offsets(counts)
+        start = np.cumsum(length) - length
         start -= np.repeat(start[offsets[:-1]], counts)
-        return cls(np.stack([sample, start, lengths], axis=1), offsets)
+        sq = np.add.reduceat(np.square(length, dtype=np.float64), offsets[:-1])
+        return cls(np.repeat(np.arange(len(counts)), counts), start, length, offsets, sq)
 
-    def sum_sq(self) -> np.ndarray:
-        sq = self.rows[:, 2].astype(np.float64) ** 2
-        return np.add.reduceat(sq, self.offsets[:-1]) if len(sq) else sq
-
-    def take(self, order: np.ndarray) -> "_Pieces":
-        counts = np.diff(self.offsets)[order]
-        idx = _segment_positions(self.offsets[:-1][order], counts)
-        return _Pieces(np.take(self.rows, idx, axis=0), np.concatenate([[0], np.cumsum(counts)]))
-
-    def split(self) -> list[np.ndarray]:
-        return np.split(self.rows, self.offsets[1:-1])
-
-    @classmethod
-    def join(cls, per_sample: list[np.ndarray]) -> "_Pieces":
-        counts = np.fromiter((len(x) for x in per_sample), dtype=np.int64, count=len(per_sample))
-        return cls(np.concatenate(per_sample), np.concatenate([[0], np.cumsum(counts)]))
+    def pieces_of(self, samples: np.ndarray) -> np.ndarray:
+        """Indices of the pieces of `samples`, sample by sample."""
+        return _segment_positions(self.offsets[samples], np.diff(self.offsets)[samples])
 
 
-def _best_trade(hot: np.ndarray, cold: np.ndarray, h_sq: float, c_sq: float):
-    """Best trade of one hot piece for as many tokens of a cold sample's smallest pieces (the last one cut).
+@dataclass(frozen=True)
+class _Stream:
+    """Parts of source pieces laid out over output samples: part i is tokens offset[i]:offset[i]+length[i] of
+    source piece piece[i]; output sample j of the stream holds parts first[j]:first[j]+count[j]."""
+    piece: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
 
-    Returns (worst of the two new slot sums, hot row, whole cold pieces taken, tokens cut) or None.
+    def sample_sq(self) -> np.ndarray:
+        csq = _offsets(np.square(self.length, dtype=np.float64))
+        return csq[self.first + self.count] - csq[self.first]
+
+
+def _split(length: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cut a stream of pieces at the stream positions `cuts` (ascending, repeats allowed).
+
+    Returns the parts in stream order (piece, offset inside it, length) and how many parts each of the
+    len(cuts) + 1 chunks between the cuts holds.
     """
-    q = cold[:, 2].astype(np.float64)
-    q_len, q_sq = np.cumsum(q), np.cumsum(q * q)
-    lp = hot[:, 2].astype(np.float64)
-    whole = np.searchsorted(q_len, lp, side="right")            # cold pieces taken whole
-    prev = np.maximum(whole - 1, 0)
-    taken_len = np.where(whole > 0, q_len[prev], 0.0)
-    taken_sq = np.where(whole > 0, q_sq[prev], 0.0)
-    cut = lp - taken_len                                        # tokens cut off the next cold piece
-    nxt = q[np.minimum(whole, len(q) - 1)]
-    new_h = h_sq - lp ** 2 + taken_sq + cut ** 2
-    new_c = c_sq + lp ** 2 - taken_sq + np.where(cut > 0, (nxt - cut) ** 2 - nxt ** 2, 0.0)
-    worst = np.maximum(new_h, new_c)
-    best = int(np.argmin(worst))
-    if not worst[best] < h_sq * (1 - 1e-9):
+    n = len(length)
+    ends = np.cumsum(length)
+    total = int(ends[-1]) if n else 0
+    inside = cuts[(cuts > 0) & (cuts < total)]
+    piece = np.searchsorted(ends, inside, side="right")
+    keep = inside > ends[piece] - length[piece]
+    keep[1:] &= inside[1:] != inside[:-1]
+    inside, piece = inside[keep], piece[keep]
+    # A piece cut at c1 < c2 < ... keeps [begin, c1) and gains the parts [c1, c2), ..., [c_last, end) after it.
+    same = np.append(piece[1:] == piece[:-1], False)
+    nxt = np.where(same, np.append(inside[1:], 0), ends[piece])
+    begin = ends[piece] - length[piece]
+    part_piece = np.insert(np.arange(n), piece + 1, piece)
+    part_offset = np.insert(np.zeros(n, dtype=np.int64), piece + 1, inside - begin)
+    part_length = np.insert(length, piece + 1, nxt - inside)
+    first = np.flatnonzero(np.concatenate([[True], ~same[:-1]])) if len(piece) else piece
+    part_length[piece[first] + first] = inside[first] - begin[first]
+    # The chunk after cut c starts at the first part beginning at or after c.
+    at = np.searchsorted(ends, cuts, side="right")
+    before = at + np.searchsorted(inside, cuts, side="left")
+    before[at < n] += cuts[at < n] > ends[at[at < n]] - length[at[at < n]]
+    return part_piece, part_offset, part_length, np.diff(np.concatenate([[0], before, [len(part_piece)]]))
+
+
+def _assign_big(length: np.ndarray, sq: np.ndarray, slots: int, capacity: int, sand_density: float) -> np.ndarray:
+    """Slot of each big piece (given largest first): largest first to the slot of least estimated cost (its big
+    pieces plus the rest of its room filled with sand of the average density), in vectorised rounds over the slots
+    still below the mean estimate that have room."""
+    load = np.zeros(slots)
+    room = np.full(slots, float(capacity))
+    target = (sq.sum() + sand_density * (slots * capacity - length.sum())) / slots
+    slot = np.empty(len(length), dtype=np.int64)
+    i = 0
+    while i < len(length):
+        est = load + sand_density * room
+        fits = room >= length[i]
+        open_ = np.flatnonzero(fits & (est < target))
+        if len(open_) == 0:
+            open_ = np.flatnonzero(fits) if fits.any() else np.arange(slots)
+            open_ = open_[np.argmin(est[open_]):][:1]
+        take = open_[np.argsort(est[open_], kind="stable")][:len(length) - i]
+        slot[i:i + len(take)] = take
+        load[take] += sq[i:i + len(take)]
+        room[take] -= length[i:i + len(take)]
+        i += len(take)
+    return slot
+
+
+def _place_big(slot: np.ndarray, length: np.ndarray, slots: int, mbs: int, seq: int):
+    """Put each slot's big pieces (largest first) into its samples, best fit; a piece that fits no sample fills
+    the roomiest one and goes on in the next. Returns (piece, output sample, offset, length) per placed part and
+    the room left in every output sample."""
+    order = np.argsort(slot, kind="stable")
+    counts = np.bincount(slot, minlength=slots)
+    if mbs == 1 and np.bincount(slot, weights=length, minlength=slots).max(initial=0) <= seq:
+        taken = np.bincount(slot, weights=length, minlength=slots).astype(np.int64)
+        return np.stack([order, slot[order], np.zeros_like(order), length[order]], axis=1), seq - taken
+    rank = np.arange(len(slot)) - np.repeat(_offsets(counts)[:-1], counts)
+    grid = np.full((slots, max(1, int(counts.max(initial=0)))), -1, dtype=np.int64)
+    grid[slot[order], rank] = order
+    room = np.full((slots, mbs), seq, dtype=np.int64)
+    rows = np.arange(slots)
+    parts = []
+    for k in range(grid.shape[1]):
+        piece = grid[:, k]
+        rest = np.where(piece >= 0, length[np.maximum(piece, 0)], 0)
+        done = np.zeros(slots, dtype=np.int64)
+        while rest.any():
+            fits = room >= rest[:, None]
+            best = np.where(fits, room, np.iinfo(np.int64).max).argmin(axis=1)
+            j = np.where(fits.any(axis=1), best, room.argmax(axis=1))
+            put = np.minimum(rest, room[rows, j])
+            moving = np.flatnonzero(put > 0)
+            if len(moving) == 0:
+                raise AssertionError("big pieces exceed their slot's capacity")
+            parts.append(np.stack([piece[moving], moving * mbs + j[moving], done[moving], put[moving]], axis=1))
+            room[rows, j] -= put
+            done += put
+            rest -= put
+    placed = np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+    return placed[np.argsort(placed[:, 1], kind="stable")], room.reshape(-1)
+
+
+_BYTE_REVERSED = np.array([int(f"{b:08b}"[::-1], 2) for b in range(256)], dtype=np.uint32)
+
+
+def _stratified(n: int) -> np.ndarray:
+    """A permutation of 0..n-1 (ranks of items sorted by size) whose every window holds items from across the
+    whole range: rank of position j = j with its bits reversed (van der Corput order), skipping ranks >= n."""
+    bits = max(1, int(n - 1).bit_length())
+    j = np.arange(1 << bits, dtype=np.uint32)
+    rev = (_BYTE_REVERSED[j & 255] << 24 | _BYTE_REVERSED[(j >> 8) & 255] << 16
+           | _BYTE_REVERSED[(j >> 16) & 255] << 8 | _BYTE_REVERSED[j >> 24]) >> (32 - bits)
+    return rev[rev < n].astype(np.int64)
+
+
+def _coarse_share(need: np.ndarray, room: np.ndarray, fine: float, coarse: float, coarse_tokens: int) -> np.ndarray:
+    """Tokens of coarse sand per slot (the rest of its room fine) that bring every slot's sand cost as close to
+    its need as the two densities allow, using exactly `coarse_tokens` in all. Integer, 0 <= share <= room.
+
+    Slot s wants base_s = (need_s - fine * room_s) / (coarse - fine) coarse tokens; all wants move by one common
+    shift, found where the total of clip(base + shift, 0, room), piecewise linear in the shift, meets the supply.
+    """
+    base = (need - fine * room) / max(coarse - fine, 1e-12)
+    points = np.concatenate([-base, room - base])
+    order = np.argsort(points, kind="stable")
+    points = points[order]
+    slope = np.cumsum(np.where(order < len(base), 1, -1))           # slots between 0 and room right of a point
+    totals = np.concatenate([[0.0], np.cumsum(slope[:-1] * np.diff(points))])
+    k = min(int(np.searchsorted(totals, coarse_tokens, side="right")) - 1, len(points) - 1)
+    shift = points[k] + (coarse_tokens - totals[k]) / max(slope[k], 1)
+    share = np.clip(base + shift, 0, room)
+    out = np.floor(share).astype(np.int64)
+    short = coarse_tokens - int(out.sum())
+    if short > 0:
+        out[np.argsort(-np.where(out < room, share - out, -1.0), kind="stable")[:short]] += 1
+    elif short < 0:
+        out[np.argsort(np.where(out > 0, out - share, -np.inf), kind="stable")[short:]] -= 1
+    return out
+
+
+def _sand_stream(pieces: np.ndarray, length: np.ndarray, rooms: np.ndarray, order: np.ndarray) -> _Stream:
+    """The pieces (indices into the source) laid out in stream order over output samples `order`, each taking
+    its room; cut where a room ends."""
+    part, offset, part_length, counts = _split(length, np.cumsum(rooms[order])[:-1])
+    count = np.zeros(len(rooms), dtype=np.int64)
+    count[order] = counts
+    first = np.zeros(len(rooms), dtype=np.int64)
+    first[order] = _offsets(counts)[:-1]
+    return _Stream(pieces[part], offset, part_length, first, count)
+
+
+def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int) -> list[_Stream]:
+    """Re-pack the source pieces `pieces` into `slots` slots of mbs samples of seq tokens, balancing sum(l^2).
+
+    The longest pieces (at most BIG_PER_SLOT per slot, all longer than the average density) are spread largest
+    first over the slots and packed whole into samples. The other pieces (sand) fill each sample's remaining room,
+    split by length into a fine and a coarse half; each slot takes the mix of the two that brings it to the common
+    level, and each half is dealt so that every share spans its whole range of lengths. Slots that want less than
+    the fine half's density take its shortest pieces, the neediest first. Sand is cut where a share ends: at most
+    two cuts per sample. Returns the big pieces' stream and the two sand streams over the slots' samples.
+    """
+    length = src.length[pieces]
+    sq = np.square(length, dtype=np.float64)
+    capacity = mbs * seq
+    big = np.flatnonzero(length * length.sum() > sq.sum())            # longer than the average density
+    if len(big) > BIG_PER_SLOT * slots:
+        big = big[np.argpartition(-length[big], BIG_PER_SLOT * slots - 1)[:BIG_PER_SLOT * slots]]
+    big = big[np.argsort(-length[big], kind="stable")]
+    is_sand = np.ones(len(length), dtype=bool)
+    is_sand[big] = False
+    sand = np.flatnonzero(is_sand)
+    key = length[sand]
+    sand = sand[np.argsort(key.astype(np.uint16) if key.max(initial=0) < 65536 else key, kind="stable")]
+    # Sand by length: the first count[L] pieces of `sand` are those shorter than L, holding tokens[L] tokens.
+    per_length = np.bincount(key, minlength=1).astype(np.float64)
+    lengths = np.arange(len(per_length), dtype=np.float64)
+    count = _offsets(per_length).astype(np.int64)
+    tokens = _offsets(per_length * lengths)
+    sand_sq = _offsets(per_length * lengths ** 2)
+    fine_end = int(np.searchsorted(tokens, tokens[-1] / 2))          # fine: pieces shorter than this
+    half = int(count[fine_end])
+    fine = sand_sq[fine_end] / max(tokens[fine_end], 1)
+    coarse = (sand_sq[-1] - sand_sq[fine_end]) / max(tokens[-1] - tokens[fine_end], 1)
+    slot = _assign_big(length[big], sq[big], slots, capacity, sand_sq[-1] / max(tokens[-1], 1))
+    placed, room = _place_big(slot, length[big], slots, mbs, seq)
+    load = np.bincount(slot, weights=sq[big], minlength=slots)
+    rooms = room.reshape(slots, mbs)
+    slot_room = rooms.sum(axis=1)
+    level = (load.sum() + sand_sq[-1]) / slots
+    share = _coarse_share(level - load, slot_room, fine, coarse, int(tokens[-1] - tokens[fine_end]))
+    # Coarse tokens fill a slot's samples in order, fine tokens the rest of each sample.
+    k_room = np.clip(share[:, None] - (np.cumsum(rooms, axis=1) - rooms), 0, rooms).reshape(-1)
+    f_room = room - k_room
+    wanting = np.flatnonzero(share == 0)
+    wanting = wanting[np.argsort((level - load[wanting]) / np.maximum(slot_room[wanting], 1), kind="stable")]
+    dealt = np.ones(slots, dtype=bool)
+    dealt[wanting] = False
+    dealt = np.repeat(dealt, mbs)
+    f_order = np.concatenate([(wanting[:, None] * mbs + np.arange(mbs)).reshape(-1), np.flatnonzero(dealt)])
+    shortest = min(half, int(count[np.searchsorted(tokens, f_room[~dealt].sum())]))
+    rest = half - shortest
+    fine_part = np.concatenate([sand[:shortest], sand[shortest:half][_stratified(rest)]])
+    coarse_part = sand[half:][_stratified(len(sand) - half)]
+    b_count = np.bincount(placed[:, 1], minlength=slots * mbs)
+    streams = [_Stream(pieces[big[placed[:, 0]]], placed[:, 2], placed[:, 3], _offsets(b_count)[:-1], b_count)]
+    for part, part_rooms, order in ((fine_part, f_room, f_order), (coarse_part, k_room, np.arange(slots * mbs))):
+        streams.append(_sand_stream(pieces[part], length[part], part_rooms, order))
+    return streams
+
+
+def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fixed_sq: float):
+    """Re-pack the slots of `order` (samples, slot by slot) whose cost is above the mean by more than
+    REFINE_TOLERANCE, together with the coldest slots that can absorb their excess, where that lowers the worst
+    of them. `fixed_sq` is a slot's cost besides attention, in units of squared tokens. Returns (streams, slot of
+    each re-packed slot, sample sums of squares of the output) or None when nothing is gained."""
+    sample_sq = src.sq[order]
+    slot_sq = sample_sq.reshape(slots, mbs).sum(axis=1)
+    mean = slot_sq.mean()
+    hot = slot_sq > mean + REFINE_TOLERANCE * (mean + fixed_sq)
+    if not hot.any():
         return None
-    return float(worst[best]), best, int(whole[best]), int(cut[best])
+    by_cost = np.argsort(slot_sq, kind="stable")
+    excess = float(np.sum(slot_sq[hot] - mean))
+    cold = max(int(hot.sum()), int(np.searchsorted(np.cumsum(mean - slot_sq[by_cost]), excess)) + 1)
+    pool = hot.copy()
+    pool[by_cost[:cold]] = True
+    pool_slots = np.flatnonzero(pool)
+    samples = order.reshape(slots, mbs)[pool_slots].reshape(-1)
+    streams = _pack_slots(src, src.pieces_of(samples), len(pool_slots), mbs, seq)
+    pool_sq = sum(s.sample_sq() for s in streams)
+    if pool_sq.reshape(-1, mbs).sum(axis=1).max() >= slot_sq[pool_slots].max():
+        return None
+    sample_sq = sample_sq.copy()
+    sample_sq.reshape(slots, mbs)[pool_slots] = pool_sq.reshape(-1, mbs)
+    return streams, pool_slots, sample_sq
 
 
-def _repack_moves(pieces: _Pieces, mbs: int, max_moves: int, cold_slots: int = 4) -> _Pieces:
-    """Trade a piece of the hottest slot for as many tokens of a cold sample, while the hotter of the two slots'
-    sums of squared lengths falls (the token and sample terms do not move). Cold samples are tried from the
-    `cold_slots` coldest slots, cheapest sample first, until one trade helps; none helping ends the search."""
-    samples = pieces.split()
-    sq = pieces.sum_sq()
-    slots = len(samples) // mbs
-    slot_sq = sq.reshape(slots, mbs).sum(axis=1)
-    longest_sq = float(pieces.rows[:, 2].max()) ** 2
-    for _ in range(max_moves):
-        h = int(np.argmax(slot_sq))
-        if slot_sq[h] <= max(slot_sq.sum() / slots, longest_sq) * (1 + REFINE_TOLERANCE):
-            break
-        hot_rows = samples[h * mbs:(h + 1) * mbs]
-        hot_sample = np.repeat(np.arange(h * mbs, (h + 1) * mbs), [len(r) for r in hot_rows])
-        hot = np.concatenate(hot_rows)
-        trade = None
-        coldest = np.argpartition(slot_sq, min(cold_slots, slots) - 1)[:cold_slots]
-        for c in coldest[np.lexsort((coldest, slot_sq[coldest]))].tolist():
-            for cs in (c * mbs + np.argsort(sq[c * mbs:(c + 1) * mbs], kind="stable")).tolist():
-                cold = samples[cs][np.argsort(samples[cs][:, 2], kind="stable")]
-                trade = _best_trade(hot, cold, float(slot_sq[h]), float(slot_sq[c]))
-                if trade:
-                    break
-            if trade:
-                break
-        if trade is None:
-            break
-        _, best, n_whole, x = trade
-        hs = int(hot_sample[best])
-        moved, keep = cold[:n_whole], cold[n_whole:].copy()
-        if x:
-            src, st, ln = keep[0]
-            keep[0, 2] = ln - x
-            moved = np.concatenate([moved, [[src, st + ln - x, x]]])
-        local = best - int(np.searchsorted(hot_sample, hs))          # row of the piece inside sample hs
-        samples[cs] = np.concatenate([keep, hot[best:best + 1]])
-        samples[hs] = np.concatenate([np.delete(samples[hs], local, axis=0), moved])
-        for s in (hs, cs):
-            sq[s] = float(np.sum(samples[s][:, 2].astype(np.float64) ** 2))
-        slot_sq[h] = sq[h * mbs:(h + 1) * mbs].sum()
-        slot_sq[c] = sq[c * mbs:(c + 1) * mbs].sum()
-    return _Pieces.join(samples)
+def _gather_rows(columns: list[np.ndarray], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[sum(counts), 3] rows: the ranges firsts[i]:firsts[i]+counts[i] of the (sample, start, length) columns."""
+    idx = _segment_positions(firsts, counts)
+    rows = np.empty((len(idx), 3), dtype=np.int64)
+    for c in range(3):
+        rows[:, c] = columns[c][idx]
+    return rows
 
 
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: int, micro_batch_num: int,
@@ -291,43 +467,103 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
                          f"micro_batch_num={micro_batch_num} equal micro-batches")
     mbs = g // slots
     seq = int(np.sum(samples_doc_lens[0]))
-    pieces = _Pieces.of(samples_doc_lens)
+    src = _Source.of(samples_doc_lens)
     fixed = cost_model.b * seq + cost_model.c
-    sample_sq = pieces.sum_sq()
-    before = (cost_model.a * sample_sq + fixed).reshape(slots, mbs).sum(axis=1)
+    before = (cost_model.a * src.sq + fixed).reshape(slots, mbs).sum(axis=1)
+    order = np.arange(g)
+    repacked = None
     if mode != "off":
-        order = balanced_partition(cost_model.a * sample_sq, slots).reshape(-1)
-        if mode == "repack":
-            # One trade per slot on average: more buys under 0.5% on long-tailed batches, at several times the time.
-            pieces = _repack_moves(pieces.take(order), mbs, max_moves=slots)
-            sample_sq, order = pieces.sum_sq(), np.arange(g)
-        slot_cost = (cost_model.a * sample_sq[order] + fixed).reshape(slots, mbs).sum(axis=1)
-        rank_slots = balanced_partition(slot_cost, dp)                                    # [dp, mb]
+        # Before re-packing, the swaps of a full reorder mostly polish slots that re-packing rebuilds anyway.
+        order = balanced_partition(src.sq, slots, REPACK_SWAPS if mode == "repack" else None).reshape(-1)
+        if mode == "repack" and cost_model.a > 0:
+            repacked = _repack(src, order, slots, mbs, seq, mbs * fixed / cost_model.a)
+    sample_sq = src.sq[order] if repacked is None else repacked[2]
+    slot_order = np.arange(slots)
+    if mode != "off":
+        rank_slots = balanced_partition(sample_sq.reshape(slots, mbs).sum(axis=1), dp)      # [dp, mb]
         rng = np.random.default_rng([seed, 0xBA1])
-        rank_slots = rng.permuted(rank_slots[rng.permutation(dp)], axis=1)
-        order = order[(rank_slots.reshape(-1, 1) * mbs + np.arange(mbs)).reshape(-1)]
-        pieces, sample_sq = pieces.take(order), sample_sq[order]   # one gather of the pieces for both steps
-    after = (cost_model.a * sample_sq + fixed).reshape(slots, mbs).sum(axis=1)
-    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, pieces.rows, pieces.offsets, before, after)
+        slot_order = rng.permuted(rank_slots[rng.permutation(dp)], axis=1).reshape(-1)
+    out_samples = (slot_order[:, None] * mbs + np.arange(mbs)).reshape(-1)    # output sample -> layout sample
+    columns = [src.sample, src.start, src.length]
+    firsts = src.offsets[order][:, None]
+    counts = np.diff(src.offsets)[order][:, None]
+    if repacked is not None:
+        # Source pieces, then each stream's parts as (sample, start, length); a re-packed sample takes its
+        # ranges from the streams instead of the source.
+        streams, pool_slots, _ = repacked
+        base = len(src.length)
+        pool_samples = (pool_slots[:, None] * mbs + np.arange(mbs)).reshape(-1)
+        firsts = np.repeat(firsts, 1 + len(streams), axis=1)
+        counts = np.concatenate([counts, np.zeros((g, len(streams)), dtype=np.int64)], axis=1)
+        counts[pool_samples, 0] = 0
+        for k, s in enumerate(streams):
+            firsts[pool_samples, k + 1] = base + s.first
+            counts[pool_samples, k + 1] = s.count
+            columns = [np.concatenate([columns[0], src.sample[s.piece]]),
+                       np.concatenate([columns[1], src.start[s.piece] + s.offset]),
+                       np.concatenate([columns[2], s.length])]
+            base += len(s.length)
+    rows = _gather_rows(columns, firsts[out_samples].reshape(-1), counts[out_samples].reshape(-1))
+    offsets = _offsets(counts[out_samples].sum(axis=1))
+    after = (cost_model.a * sample_sq[out_samples] + fixed).reshape(slots, mbs).sum(axis=1)
+    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, rows, offsets, before, after)
+
+
+def _fill(ascending: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Least sum of squares of `room` tokens taken from pieces of these lengths: the shortest whole, one cut.
+    (May count a piece that is also counted elsewhere: a lower bound all the same, only a weaker one.)"""
+    csum = np.concatenate([[0.0], np.cumsum(ascending)])
+    csq = np.concatenate([[0.0], np.cumsum(ascending ** 2)])
+    room = np.clip(room, 0.0, csum[-1])
+    whole = np.minimum(np.searchsorted(csum, room, side="right") - 1, len(ascending) - 1)
+    return csq[whole] + (room - csum[whole]) ** 2
+
+
+def repack_bound(lengths: np.ndarray, slots: int, mbs: int, seq: int) -> float:
+    """A lower bound on the largest slot's sum of squared piece lengths when the longest pieces stay whole (but
+    for a cut at a slot's margin). The largest of:
+    - the mean slot;
+    - for m = 1..slots: the slots holding the m longest pieces either hold one each, and then the heaviest costs
+      at least their average, the rest of their room filled with the shortest pieces; or one holds two of them,
+      at least the m-1-th and m-th longest plus the shortest pieces;
+    - for t = 1, 2, ...: among the t*slots + 1 longest pieces some slot holds t + 1, at least the t + 1 shortest
+      of them plus the shortest pieces;
+    - pieces longer than half a sample need a sample each, so a slot holds at most mbs of them: `partition_bound`
+      of those, padded with empty places to mbs per slot.
+    """
+    desc = np.sort(np.asarray(lengths, dtype=np.float64))[::-1]
+    asc = desc[::-1]
+    cap = float(mbs * seq)
+    csq = np.concatenate([[0.0], np.cumsum(desc ** 2)])
+    csum = np.concatenate([[0.0], np.cumsum(desc)])
+    m = np.arange(1, min(slots, len(desc) - 1) + 1)
+    alone = (csq[m] + _fill(asc, m * cap - csum[m])) / m
+    pair = np.where(m >= 2, desc[m - 1] ** 2 + desc[np.maximum(m - 2, 0)] ** 2
+                    + _fill(asc, cap - desc[m - 1] - desc[np.maximum(m - 2, 0)]), np.inf)
+    spread = float(np.max(np.minimum(alone, pair))) if len(m) else 0.0
+    t = np.arange(1, min(len(desc) // slots, 64) + 1)
+    t = t[t * slots < len(desc)]
+    lo, hi = t * slots + 1 - (t + 1), t * slots + 1                  # the t + 1 shortest of the top t*slots + 1
+    pigeonhole = float(np.max(csq[hi] - csq[lo] + _fill(asc, cap - (csum[hi] - csum[lo])), initial=0.0))
+    halves = desc[desc > seq / 2] ** 2
+    separate = 0.0
+    if 0 < len(halves) <= mbs * slots:
+        separate = partition_bound(np.concatenate([halves, np.zeros(mbs * slots - len(halves))]), slots)
+    return max(csq[-1] / slots, spread, pigeonhole, separate)
 
 
 def lower_bounds(samples_doc_lens: Sequence[np.ndarray], dp: int, micro_batch_num: int,
                  cost_model: CostModel) -> dict[str, float]:
     """Lower bounds on the largest slot cost. mean: the average slot. reorder: `partition_bound` of the sample
-    costs. repack: the slot holding the longest document piece, filled up with the batch's smallest pieces (one
-    cut at the margin), since repacking cuts pieces only where a trade needs it."""
+    costs. repack: `repack_bound` of the document pieces (repack keeps the longest pieces whole)."""
     slots = dp * micro_batch_num
     mbs = len(samples_doc_lens) // slots
-    pieces = _Pieces.of(samples_doc_lens)
-    seq = float(np.sum(samples_doc_lens[0]))
+    seq = int(np.sum(samples_doc_lens[0]))
     fixed = cost_model.b * seq + cost_model.c
-    costs = cost_model.a * pieces.sum_sq() + fixed
+    lengths = np.concatenate(samples_doc_lens)
+    counts = np.fromiter(map(len, samples_doc_lens), dtype=np.int64, count=len(samples_doc_lens))
+    costs = cost_model.a * np.add.reduceat(lengths.astype(np.float64) ** 2, _offsets(counts)[:-1]) + fixed
     mean = float(costs.sum()) / slots
-    lens = np.sort(pieces.rows[:, 2].astype(np.float64))
-    longest, rest = lens[-1], lens[:-1]
-    room = mbs * seq - longest
-    whole = int(np.searchsorted(np.cumsum(rest), room, side="right"))
-    filled = float(np.sum(rest[:whole] ** 2)) + (room - float(np.sum(rest[:whole]))) ** 2
     return {"mean": mean,
             "reorder": max(mean, partition_bound(costs, slots)),
-            "repack": max(mean, cost_model.a * (longest ** 2 + filled) + mbs * fixed)}
+            "repack": max(mean, cost_model.a * repack_bound(lengths, slots, mbs, seq) + mbs * fixed)}

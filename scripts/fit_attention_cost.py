@@ -1,20 +1,19 @@
-"""Fit the per-sample cost model t = a*sum(l^2) + b*sum(l) + c from measured forward+backward times.
+"""Fit the per-sample cost model t = a*sum(l^2) + b*sum(l) + c from measured forward+backward times, and check
+that balancing by it shrinks the measured spread of per-slot times.
 
-    python scripts/fit_attention_cost.py --recipe tiny --out output/attention_cost.json
+    python scripts/fit_attention_cost.py --recipe tiny --seq 2048 --set model.num_attention_heads=16
     python scripts/fit_attention_cost.py --from-measurements times.json --out cost.json   # e.g. measured on Ascend
 
-Measuring (the real TeleChat3-MoE model of the recipe, graph mode, the trainer's ForwardBackward cell):
-1. Calibration: one document of length L per sample, for L = bucket, 2*bucket, ..., seq_length; the least of
-   --repeats runs is kept. Times are CPU seconds of the process (all threads), which a shared machine's other
-   load disturbs far less than wall time. The coefficients are fitted by non-negative least squares; R^2 is reported.
-2. Dense-mask check: full samples of seq_length holding 1..16 documents. On CPU the model masks attention per
-   document but still computes every query-key pair, so these times should not follow sum(l^2): the spread is
-   printed next to the modelled one. Balancing pays off where attention skips masked blocks (FlashAttention
-   with actual_seq_len on Ascend), which step 3 emulates.
-3. A real global batch (the shared sample corpus if present, else the embedded default corpus), laid out by
-   data.attention_balance off / reorder / repack over --dp x --micro-batch-num slots, each slot executed as
-   variable-length attention does it: one forward+backward per document piece, padded up to the bucket (so the
-   graphs of step 1 are reused). Measured max/mean slot time is printed beside the model's prediction.
+Measuring (the real TeleChat3-MoE model of the recipe with model.attention_kernel=varlen, graph mode, the trainer's
+ForwardBackward cell; CPU seconds of the process, all threads, which a shared machine's other load disturbs far
+less than wall time; the median of --repeats runs after two warm-up runs per compiled shape):
+1. Calibration: one document of length L per sample, L = bucket, 2*bucket, ..., seq; and full samples of seq
+   tokens holding 1, 2, 4, ... equal documents. The coefficients are fitted by non-negative least squares on all
+   of them; R^2 is reported, and the measured time of every mix beside its prediction.
+2. A real global batch (the shared sample corpus if present, else the embedded default corpus) laid out by
+   data.attention_balance off / reorder / repack over --dp x --micro-batch-num slots; every slot runs as one
+   micro-batch [micro_batch_size, seq] with its document boundaries, --repeats times. The measured max/mean of
+   the per-slot medians is printed beside the model's prediction, with the run-to-run noise.
 The calibration file (JSON) is what the recipe's `data.attention_cost` names; a PNG shows the fit and the spreads.
 --from-measurements takes a JSON list of {"doc_lens": [...], "seconds": t} and only fits.
 """
@@ -27,12 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# NumPy's BLAS threads (the CPU attention kernel) would spin on a shared machine and count as CPU time.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data_sched.attention_cost import CostModel, fit_attention_cost  # noqa: E402
+from data_sched.attention_cost import CostModel, fit_attention_cost, length_moments  # noqa: E402
 from data_sched.errors import DataError  # noqa: E402
 
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "corpus.jsonl"
@@ -60,7 +63,7 @@ def load_measurements(path: str) -> tuple[list[np.ndarray], np.ndarray]:
 
 
 class Stepper:
-    """Forward+backward of the recipe's model on [1, L] inputs; one compiled graph per length."""
+    """Forward+backward of the recipe's model on [rows, L] packed inputs; one compiled graph per shape."""
 
     def __init__(self, recipe):
         import mindspore as ms
@@ -76,20 +79,20 @@ class Stepper:
         model = TeleChatMoE(recipe.model, recipe.context.device_target)
         self.fb = ForwardBackward(model, ParameterTuple(model.trainable_params()))
         self.rng = np.random.default_rng(0)
+        self.warm: set = set()
 
-    def seconds(self, length: int, segment_lens=None, real_tokens: int | None = None) -> float:
+    def once(self, rows_doc_lens) -> float:
+        """CPU seconds of one forward+backward of samples with these document lengths (each row one sample)."""
         from mindspore import Tensor
 
         ms = self.ms
-        ids = self.rng.integers(4, self.vocab, (1, length)).astype(np.int32)
-        mask = np.zeros((1, length), np.float32)
-        mask[0, :real_tokens or length] = 1.0
-        lens = segment_lens if segment_lens is not None else [length]
-        seg = np.repeat(np.arange(len(lens), dtype=np.int32), lens)[None]
-        pos = np.arange(length, dtype=np.int32)[None]
-        args = (Tensor(ids), Tensor(ids), Tensor(mask), Tensor(seg), Tensor(pos), Tensor(1.0, ms.float32))
-        # CPU seconds of all threads, not wall time: on a shared machine the wall clock also counts the time
-        # other processes hold the cores, which has nothing to do with this work.
+        length = int(np.sum(rows_doc_lens[0]))
+        shape = (len(rows_doc_lens), length)
+        ids = self.rng.integers(4, self.vocab, shape).astype(np.int32)
+        seg = np.stack([np.repeat(np.arange(len(x), dtype=np.int32), x) for x in rows_doc_lens])
+        pos = np.broadcast_to(np.arange(length, dtype=np.int32), shape).copy()
+        args = (Tensor(ids), Tensor(ids), Tensor(np.ones(shape, np.float32)), Tensor(seg), Tensor(pos),
+                Tensor(1.0, ms.float32))
         start = time.process_time()
         out = self.fb(*args)
         out[0].asnumpy()
@@ -97,26 +100,33 @@ class Stepper:
             g.asnumpy()
         return time.process_time() - start
 
-
-def calibrate(stepper: Stepper, lengths: list[int], repeats: int) -> tuple[list[np.ndarray], np.ndarray]:
-    times = []
-    for length in lengths:
-        t0 = time.perf_counter()
-        for _ in range(2):                            # compile, then let thread pools and caches settle
-            stepper.seconds(length)
-        best = min(stepper.seconds(length) for _ in range(repeats))
-        times.append(best)
-        print(f"  L={length:6d}: {best * 1e3:8.1f} ms (compile+warmup {time.perf_counter() - t0:5.1f} s)", flush=True)
-    return [np.array([length]) for length in lengths], np.array(times)
+    def seconds(self, rows_doc_lens, repeats: int) -> np.ndarray:
+        """`repeats` timed runs, after two warm-up runs the first time a shape is seen (compile, thread pools)."""
+        shape = (len(rows_doc_lens), int(np.sum(rows_doc_lens[0])))
+        if shape not in self.warm:
+            for _ in range(2):
+                self.once(rows_doc_lens)
+            self.warm.add(shape)
+        return np.array([self.once(rows_doc_lens) for _ in range(repeats)])
 
 
-def dense_mask_check(stepper: Stepper, seq: int, cost: CostModel, repeats: int) -> dict:
-    mixes = [[seq]] + [[seq // n] * n for n in (2, 4, 8, 16)]
-    measured = np.array([min(stepper.seconds(seq, m) for _ in range(repeats)) for m in mixes])
-    modelled = cost.sample_costs([np.array(m) for m in mixes])
-    return {"mixes": [len(m) for m in mixes], "measured_s": measured.tolist(),
-            "measured_max_over_min": float(measured.max() / measured.min()),
-            "modelled_max_over_min": float(modelled.max() / modelled.min())}
+def noise(runs: list[np.ndarray]) -> float:
+    """Median over measurements of (max - min) / median of their repeats: how far one run can be off."""
+    return float(np.median([(r.max() - r.min()) / np.median(r) for r in runs]))
+
+
+def calibrate(stepper: Stepper, seq: int, bucket: int, repeats: int) -> dict:
+    """Single documents of every bucket length, and full samples of 1, 2, 4, ... equal documents."""
+    singles = [[length] for length in range(bucket, seq + 1, bucket)]
+    mixes = [[seq // n] * n for n in (2 ** k for k in range(1, 12)) if seq % n == 0 and seq // n >= 16]
+    points, runs = [], []
+    for lens in singles + mixes:
+        t = stepper.seconds([lens], repeats)
+        points.append(np.array(lens))
+        runs.append(t)
+        print(f"  {len(lens):4d} x {lens[0]:6d} tokens: {np.median(t) * 1e3:8.1f} ms (runs {np.round(t, 2).tolist()})",
+              flush=True)
+    return {"doc_lens": points, "runs": runs, "singles": len(singles)}
 
 
 def real_batch(recipe, seq: int, global_batch: int, seed: int) -> list[np.ndarray]:
@@ -139,56 +149,70 @@ def real_batch(recipe, seq: int, global_batch: int, seed: int) -> list[np.ndarra
     return [lens[offsets[i]:offsets[i + 1]] for i in range(global_batch)]
 
 
-def measure_slots(stepper: Stepper, doc_lens, dp: int, mb: int, cost: CostModel, bucket: int) -> dict:
+def measure_slots(stepper: Stepper, doc_lens, dp: int, mb: int, cost: CostModel, repeats: int) -> dict:
+    """Every slot of every layout as one micro-batch; measured and predicted max/mean of the slot times.
+
+    After an untimed warm-up round, the repeats go round all slots of all layouts in turn (the layouts in a
+    rotating order), so a drift of the machine's speed over the run touches every layout alike."""
     from data_sched.attention_balance import balance_global_batch
 
+    plans = {mode: balance_global_batch(doc_lens, mode, dp, mb, cost, seed=0) for mode in ("off", "reorder", "repack")}
+    mbs = plans["off"].micro_batch_size
+    micro_batches = {mode: [[plan.doc_lens(j) for j in range(s * mbs, (s + 1) * mbs)] for s in range(dp * mb)]
+                     for mode, plan in plans.items()}
+    modes = list(plans)
+    runs = {mode: [[] for _ in range(dp * mb)] for mode in modes}
+    for r in range(-1, repeats):                          # round -1: compile and warm up, not kept
+        for mode in modes[r % 3:] + modes[:r % 3]:        # each layout in every position of the order
+            for s, rows in enumerate(micro_batches[mode]):
+                t = stepper.once(rows)
+                if r >= 0:
+                    runs[mode][s].append(t)
+        print(f"  round {r + 1}/{repeats} done" if r >= 0 else "  warm-up round done", flush=True)
     out = {}
-    for mode in ("off", "reorder", "repack"):
-        plan = balance_global_batch(doc_lens, mode, dp, mb, cost, seed=0)
-        mbs = plan.micro_batch_size
-        slot_times = []
-        for s in range(dp * mb):
-            total = 0.0
-            for j in range(s * mbs, (s + 1) * mbs):
-                for piece in plan.doc_lens(j).tolist():
-                    padded = -(-piece // bucket) * bucket
-                    total += stepper.seconds(padded, [piece, padded - piece] if padded > piece else None, piece)
-            slot_times.append(total)
-        measured = np.array(slot_times)
+    for mode, plan in plans.items():
+        slot_runs = [np.array(x) for x in runs[mode]]
+        measured = np.array([np.median(x) for x in slot_runs])
         predicted = plan.slot_costs_after
-        out[mode] = {"measured_s": measured.tolist(), "measured_max_over_mean": float(measured.max() / measured.mean()),
-                     "predicted_max_over_mean": float(predicted.max() / predicted.mean())}
-        print(f"  {mode:8s} measured max/mean {out[mode]['measured_max_over_mean']:.3f}   "
-              f"predicted {out[mode]['predicted_max_over_mean']:.3f}   slots {np.round(measured, 2).tolist()}",
-              flush=True)
+        out[mode] = {"measured_s": measured.tolist(), "runs_s": [x.tolist() for x in slot_runs],
+                     "predicted_s": predicted.tolist(),
+                     "measured_max_over_mean": float(measured.max() / measured.mean()),
+                     "predicted_max_over_mean": float(predicted.max() / predicted.mean()),
+                     "noise": noise(slot_runs)}
+        print(f"  {mode:8s} measured max/mean {out[mode]['measured_max_over_mean']:.3f}   predicted "
+              f"{out[mode]['predicted_max_over_mean']:.3f}   run-to-run noise {out[mode]['noise']:.1%}   "
+              f"slots (s) {np.round(measured, 2).tolist()}", flush=True)
     return out
 
 
-def plot(path: Path, lens, times, cost: CostModel, slots: dict | None) -> None:
+def plot(path: Path, lens, times, cost: CostModel, singles: int, slots: dict | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if slots else 1, figsize=(11 if slots else 6, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if slots else 1, figsize=(11 if slots else 6, 4.2), squeeze=False)
     ax = axes[0, 0]
-    x = np.array([float(np.sum(l)) for l in lens])
-    ax.plot(x, times * 1e3, "o", label="measured (one document)")
-    grid = np.linspace(x.min(), x.max(), 100)
-    ax.plot(grid, (cost.a * grid ** 2 + cost.b * grid + cost.c) * 1e3, "-",
-            label=f"fit a={cost.a:.3g} b={cost.b:.3g} c={cost.c:.3g}, R²={cost.r2:.4f}")
-    ax.set_xlabel("document length (tokens)")
-    ax.set_ylabel("forward+backward (ms)")
+    predicted = cost.sample_costs(lens) * 1e3
+    ax.plot(predicted[:singles], times[:singles] * 1e3, "o", label="one document of L tokens")
+    if len(times) > singles:
+        ax.plot(predicted[singles:], times[singles:] * 1e3, "^", label="full sample, n equal documents")
+    edge = [0, max(predicted.max(), times.max() * 1e3) * 1.05]
+    ax.plot(edge, edge, "k-", lw=0.5)
+    ax.set_xlabel("predicted forward+backward (ms)")
+    ax.set_ylabel("measured (ms, CPU time)")
+    ax.set_title(f"a={cost.a:.3g}/tok², b={cost.b:.3g}/tok, c={cost.c:.3g}; R²={cost.r2:.4f}", fontsize=9)
     ax.legend(fontsize=7)
     if slots:
         ax = axes[0, 1]
         modes = list(slots)
-        ax.bar(np.arange(len(modes)) - 0.2, [slots[m]["measured_max_over_mean"] for m in modes], 0.4,
-               label="measured")
-        ax.bar(np.arange(len(modes)) + 0.2, [slots[m]["predicted_max_over_mean"] for m in modes], 0.4,
-               label="predicted")
-        ax.set_xticks(np.arange(len(modes)), modes)
-        ax.set_ylabel("max / mean slot time")
+        x = np.arange(len(modes))
+        ax.bar(x - 0.2, [slots[m]["measured_max_over_mean"] for m in modes], 0.4, label="measured",
+               yerr=[slots[m]["noise"] for m in modes], capsize=3)
+        ax.bar(x + 0.2, [slots[m]["predicted_max_over_mean"] for m in modes], 0.4, label="predicted")
+        ax.set_xticks(x, modes)
+        ax.set_ylabel("max / mean slot time (error bar: run-to-run noise)")
+        ax.set_ylim(bottom=0.9)
         ax.axhline(1.0, color="k", lw=0.5)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -199,13 +223,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="fit the attention cost model from measured forward+backward times")
     p.add_argument("--recipe", default="tiny")
     p.add_argument("--set", action="append", default=[], help="recipe override key=value")
-    p.add_argument("--seq", type=int, default=1024, help="longest document / sample length measured")
-    p.add_argument("--bucket", type=int, default=128, help="length step of the calibration (and padding)")
+    p.add_argument("--seq", type=int, default=2048, help="longest document / sample length measured")
+    p.add_argument("--bucket", type=int, default=256, help="length step of the single-document calibration")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--micro-batch-num", type=int, default=2)
-    p.add_argument("--skip-batch", action="store_true", help="calibrate only (steps 1-2)")
+    p.add_argument("--micro-batch-num", type=int, default=4)
+    p.add_argument("--skip-batch", action="store_true", help="calibrate only (step 1)")
     p.add_argument("--from-measurements", default="", help="fit these measurements instead of measuring")
     p.add_argument("--out", default=str(REPO / "output" / "attention_cost.json"))
     args = p.parse_args(argv)
@@ -216,10 +240,11 @@ def main(argv=None) -> int:
         except OSError as e:
             raise DataError(f"--out: cannot create {out.parent} ({e.strerror})") from None
         report: dict = {}
+        slots = None
         if args.from_measurements:
             lens, times = load_measurements(args.from_measurements)
             cost = fit_attention_cost(lens, times, source=f"measurements {args.from_measurements}")
-            stepper = None
+            singles = len(lens)
         else:
             if args.seq % args.bucket or args.bucket < 1:
                 raise DataError(f"--seq {args.seq} must be a positive multiple of --bucket {args.bucket}")
@@ -228,35 +253,37 @@ def main(argv=None) -> int:
             try:
                 recipe = load_recipe(args.recipe, [f"model.seq_length={args.seq}",
                                                    f"model.max_position_embeddings={args.seq}",
-                                                   f"model.original_max_position_embeddings={args.seq}", *args.set])
+                                                   f"model.original_max_position_embeddings={args.seq}",
+                                                   "model.attention_kernel=varlen", *args.set])
             except RecipeError as e:
                 raise DataError(str(e)) from None
             stepper = Stepper(recipe)
-            lengths = list(range(args.bucket, args.seq + 1, args.bucket))
-            print(f"[1/3] calibration: {recipe.name}, one document per sample, L in {lengths}", flush=True)
-            lens, times = calibrate(stepper, lengths, args.repeats)
+            print(f"[1/2] calibration: {recipe.name} ({recipe.model.attention_kernel} attention), single documents "
+                  f"of {args.bucket}..{args.seq} tokens and full samples of n equal documents", flush=True)
+            cal = calibrate(stepper, args.seq, args.bucket, args.repeats)
+            lens, singles = cal["doc_lens"], cal["singles"]
+            times = np.array([np.median(r) for r in cal["runs"]])
             cost = fit_attention_cost(lens, times, source=f"{recipe.name} forward+backward on "
-                                      f"{recipe.context.device_target}, one document per sample, "
-                                      f"L={args.bucket}..{args.seq}")
+                                      f"{recipe.context.device_target}, {recipe.model.attention_kernel} attention, "
+                                      f"single documents {args.bucket}..{args.seq} and full mixes")
+            report["calibration_noise"] = noise(cal["runs"])
+            report["calibration_runs_s"] = [r.tolist() for r in cal["runs"]]
         print(f"fit: a={cost.a:.4g} s/token^2  b={cost.b:.4g} s/token  c={cost.c:.4g} s   R^2={cost.r2:.4f} "
               f"({cost.num_points} points)")
-        report.update(cost=cost.__dict__, lengths=[int(np.sum(l)) for l in lens], seconds=times.tolist())
-        slots = None
-        if stepper is not None:
-            print(f"[2/3] dense-mask check at {args.seq} tokens, 1..16 documents per sample", flush=True)
-            report["dense_mask"] = dense_mask_check(stepper, args.seq, cost, args.repeats)
-            print(f"  measured max/min {report['dense_mask']['measured_max_over_min']:.3f} vs modelled "
-                  f"(variable-length attention) {report['dense_mask']['modelled_max_over_min']:.3f}")
-            if not args.skip_batch:
-                print(f"[3/3] a real global batch of {args.global_batch} x {args.seq} tokens over dp={args.dp} x "
-                      f"micro_batch_num={args.micro_batch_num} slots, one forward+backward per document piece",
-                      flush=True)
-                doc_lens = real_batch(recipe, args.seq, args.global_batch, recipe.seed)
-                slots = measure_slots(stepper, doc_lens, args.dp, args.micro_batch_num, cost, args.bucket)
-                report["slots"] = slots
+        sq, _ = length_moments(lens)
+        attention_share = cost.a * sq / cost.sample_costs(lens)
+        print(f"attention term: {attention_share.min():.0%} .. {attention_share.max():.0%} of the predicted time")
+        report.update(cost=cost.__dict__, doc_lens=[l.tolist() for l in lens], seconds=times.tolist(),
+                      predicted=cost.sample_costs(lens).tolist())
+        if not args.from_measurements and not args.skip_batch:
+            print(f"[2/2] a real global batch of {args.global_batch} x {args.seq} tokens over dp={args.dp} x "
+                  f"micro_batch_num={args.micro_batch_num} slots, each slot one micro-batch", flush=True)
+            doc_lens = real_batch(recipe, args.seq, args.global_batch, recipe.seed)
+            slots = measure_slots(stepper, doc_lens, args.dp, args.micro_batch_num, cost, args.repeats)
+            report["slots"] = slots
         cost.save(str(out))
         out.with_suffix(".report.json").write_text(json.dumps(report, indent=1))
-        plot(out.with_suffix(".png"), lens, times, cost, slots)
+        plot(out.with_suffix(".png"), lens, times, cost, singles, slots)
         print(f"wrote {out} (calibration), {out.with_suffix('.report.json')}, {out.with_suffix('.png')}")
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

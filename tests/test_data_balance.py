@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from data_sched.attention_balance import (balance_global_batch, balanced_partition, lower_bounds,
-                                          partition_bound, _lpt)
+                                          partition_bound, repack_bound, _lpt, _split, _stratified)
 from data_sched.attention_cost import CostModel, fit_attention_cost
 from data_sched.errors import DataError
 from data_sched.loader import BatchLoader
-from data_sched.packing import pack_documents
+from data_sched.packing import pack_documents, pack_lengths
 
 COST = CostModel(a=1.0, b=300.0, c=1000.0)
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +137,58 @@ def test_seed_only_moves_groups_between_ranks():
     b = balance_global_batch(doc_lens, "reorder", 4, 4, COST, seed=2)
     assert np.allclose(np.sort(a.slot_costs_after), np.sort(b.slot_costs_after))
     assert not np.array_equal(a.source_order(), b.source_order())
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=12), data=st.data())
+def test_split_cuts_a_stream_exactly_where_asked(lengths, data):
+    """Parts tile the stream in order, each inside one piece, none crossing a cut; chunks count the parts
+    between consecutive cuts (repeated cuts give empty chunks)."""
+    length = np.array(lengths, dtype=np.int64)
+    total = int(length.sum())
+    cuts = np.array(sorted(data.draw(st.lists(st.integers(0, total), max_size=8))), dtype=np.int64)
+    piece, offset, part_length, counts = _split(length, cuts)
+    begins = np.cumsum(length) - length
+    stream = np.concatenate([[0], np.cumsum(part_length)])
+    assert stream[-1] == total and (part_length > 0).all()
+    assert np.array_equal(begins[piece] + offset, stream[:-1])            # in order, no gap, no overlap
+    assert (offset + part_length <= length[piece]).all()
+    assert not ((cuts[:, None] > stream[None, :-1]) & (cuts[:, None] < stream[None, 1:])).any()
+    chunk = np.searchsorted(cuts, stream[:-1], side="right")
+    assert np.array_equal(counts, np.bincount(chunk, minlength=len(cuts) + 1))
+
+
+def test_stratified_order_is_a_permutation_spread_over_the_range():
+    for n in (1, 2, 7, 64, 1000):
+        order = _stratified(n)
+        assert sorted(order.tolist()) == list(range(n))
+    order = _stratified(1024)
+    for window in (order[:16], order[500:532]):     # any window holds small and large ranks alike
+        assert abs(window.mean() - 511.5) < 64
+
+
+def test_repack_bound_sees_pieces_that_need_a_sample_each():
+    """Four pieces over half a sample in 2 slots of 2 samples: the best packing pairs two full pieces."""
+    lengths = np.array([10, 10, 10, 6, 4])
+    assert repack_bound(lengths, slots=2, mbs=2, seq=10) == 200.0
+    doc_lens = [np.array([10]), np.array([10]), np.array([10]), np.array([6, 4])]
+    plan = balance_global_batch(doc_lens, "repack", 2, 1, CostModel(a=1.0, b=0.0), seed=0)
+    assert plan.slot_costs_after.max() == 200.0
+
+
+@pytest.mark.parametrize("seq, sigma", [(4096, 1.8), (4096, 1.2), (16384, 1.8)])
+def test_repack_reaches_its_bound_on_long_tails(seq, sigma):
+    """Within 2% of max(mean, repack bound) for micro-batches of 1 to 4 samples, and never worse than reorder."""
+    rng = np.random.default_rng(seq)
+    offsets, lens = pack_lengths(np.maximum(1, rng.lognormal(np.log(seq / 16), sigma, 20000)).astype(int) + 1, seq)
+    doc_lens = [lens[offsets[i]:offsets[i + 1]] for i in range(256)]
+    cost = CostModel(a=1.0, b=0.0)
+    for dp, mb in ((8, 8), (32, 4), (128, 2)):
+        plan = balance_global_batch(doc_lens, "repack", dp, mb, cost, seed=0)
+        bound = lower_bounds(doc_lens, dp, mb, cost)
+        assert plan.slot_costs_after.max() <= max(bound["mean"], bound["repack"]) * 1.02
+        assert plan.slot_costs_after.max() <= balance_global_batch(
+            doc_lens, "reorder", dp, mb, cost, seed=0).slot_costs_after.max() * (1 + 1e-9)
 
 
 # ---- the loader with balancing on -------------------------------------------------------------------------------
