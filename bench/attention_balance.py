@@ -128,7 +128,7 @@ def run_case(batches, dp: int, cost: CostModel, repeats: int) -> dict:
             rows[f"ms_{mode}"].append(1e3 * float(np.median(times)))
             rows[f"ms_min_{mode}"].append(1e3 * float(np.min(times)))
         # `plan` is the repack plan here: its extra pieces are the cuts it made.
-        rows["cuts_per_sample"].append((len(plan.segments) - sum(map(len, doc_lens))) / GLOBAL_BATCH)
+        rows["cuts_per_sample"].append((len(plan.piece_length) - sum(map(len, doc_lens))) / GLOBAL_BATCH)
     out = {k: float(np.mean(v)) for k, v in rows.items()}
     out.update(dp=dp, micro_batch_num=mb, micro_batch_size=per_rank // mb)
     # The targets: max/mean <= 1.02, or within 2% of the bound where the bound is above 1.

@@ -15,8 +15,8 @@ micro-batch is mbs consecutive rows of it. Modes:
            (input, label) token pair is kept exactly once; pieces are cut only where a sample's share of short or
            long pieces ends (at most two cuts per re-packed sample) or, rarely, where a long piece fits no sample.
 
-The output lists segments (source sample, start, length) per output sample; each segment is one document piece,
-so the output document lengths are the segment lengths. NumPy and deterministic; the seed only decides which
+The output lists the pieces (source sample, start, length) of every output sample; each is one document piece,
+so the output document lengths are the piece lengths. NumPy and deterministic; the seed only decides which
 balanced group lands on which rank and micro-batch, so no rank is systematically the hot one.
 """
 from __future__ import annotations
@@ -33,8 +33,9 @@ MODES = ("off", "reorder", "repack")
 REFINE_TOLERANCE = 5e-3
 # Long pieces per slot at most that repack places one by one; shorter pieces fill the rest as sand.
 BIG_PER_SLOT = 8
-# Swaps of the reorder that repack starts from.
-REPACK_SWAPS = 16
+# Repack rebuilds the slots above the mean cost by more than this (and as many cold slots): a looser aim than
+# REFINE_TOLERANCE, as each rebuilt slot costs time.
+REPACK_TOLERANCE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,10 @@ class BatchAssignment:
     micro_batch_num: int
     micro_batch_size: int
     seq_length: int
-    segments: np.ndarray        # int64 [P, 3]: (source sample, start position, length), in output order
-    sample_offsets: np.ndarray  # int64 [G+1]: output sample j is segments[sample_offsets[j]:sample_offsets[j+1]]
+    piece_sample: np.ndarray    # int64 [P]: output piece i is tokens piece_start[i] : piece_start[i] +
+    piece_start: np.ndarray     #   piece_length[i] of source sample piece_sample[i] (one document piece)
+    piece_length: np.ndarray
+    sample_offsets: np.ndarray  # int64 [G+1]: output sample j holds pieces sample_offsets[j]:sample_offsets[j+1]
     slot_costs_before: np.ndarray  # float64 [dp*mb]; slot s = (rank s // mb, micro-batch s % mb)
     slot_costs_after: np.ndarray
 
@@ -53,14 +56,19 @@ class BatchAssignment:
     def num_samples(self) -> int:
         return len(self.sample_offsets) - 1
 
+    @property
+    def segments(self) -> np.ndarray:
+        """int64 [P, 3]: (source sample, start position, length) of every output piece, in output order."""
+        return np.stack([self.piece_sample, self.piece_start, self.piece_length], axis=1)
+
     def doc_lens(self, j: int) -> np.ndarray:
-        return self.segments[self.sample_offsets[j]:self.sample_offsets[j + 1], 2]
+        return self.piece_length[self.sample_offsets[j]:self.sample_offsets[j + 1]]
 
     def source_order(self) -> np.ndarray:
         """off/reorder: the source sample of each output sample."""
         if self.mode == "repack":
             raise ValueError("a repacked batch mixes samples; it has no sample order")
-        return self.segments[self.sample_offsets[:-1], 0]
+        return self.piece_sample[self.sample_offsets[:-1]]
 
     def rank_costs(self, slot_costs: np.ndarray) -> np.ndarray:
         return slot_costs.reshape(self.dp, self.micro_batch_num).sum(axis=1)
@@ -68,8 +76,9 @@ class BatchAssignment:
     def apply(self, tokens: np.ndarray, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, labels) [stop-start, seq_length] of output samples start..stop from source tokens [G, seq+1]."""
         stop = self.num_samples if stop is None else stop
-        seg = self.segments[self.sample_offsets[start]:self.sample_offsets[stop]]
-        flat = _segment_positions(seg[:, 0] * tokens.shape[1] + seg[:, 1], seg[:, 2])
+        part = slice(self.sample_offsets[start], self.sample_offsets[stop])
+        flat = _segment_positions(self.piece_sample[part] * tokens.shape[1] + self.piece_start[part],
+                                  self.piece_length[part])
         src = tokens.reshape(-1)
         shape = (stop - start, self.seq_length)
         return src[flat].reshape(shape), src[flat + 1].reshape(shape)
@@ -160,9 +169,9 @@ def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: i
     return members
 
 
-def balanced_partition(costs: np.ndarray, parts: int, max_swaps: int | None = None) -> np.ndarray:
+def balanced_partition(costs: np.ndarray, parts: int) -> np.ndarray:
     """Indices [parts, n/parts]: equal-size parts whose largest sum is within REFINE_TOLERANCE of the bound
-    where single swaps (at most `max_swaps`, default 4 per part) can get there. Deterministic."""
+    where single swaps can get there. Deterministic."""
     costs = np.asarray(costs, dtype=np.float64)
     n = len(costs)
     if parts < 1 or n % parts:
@@ -170,7 +179,7 @@ def balanced_partition(costs: np.ndarray, parts: int, max_swaps: int | None = No
     if parts == 1 or n == parts:
         return np.arange(n).reshape(parts, -1)
     target = partition_bound(costs, parts) * (1 + REFINE_TOLERANCE)
-    return _refine(costs, _lpt(costs, parts), target, max_rounds=4 * parts if max_swaps is None else max_swaps)
+    return _refine(costs, _lpt(costs, parts), target, max_rounds=4 * parts)
 
 
 # ---- the global batch ----------------------------------------------------------------------------------------
@@ -250,22 +259,25 @@ def _split(length: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def _assign_big(length: np.ndarray, sq: np.ndarray, slots: int, capacity: int, sand_density: float) -> np.ndarray:
-    """Slot of each big piece (given largest first): largest first to the slot of least estimated cost (its big
-    pieces plus the rest of its room filled with sand of the average density), in vectorised rounds over the slots
-    still below the mean estimate that have room."""
+    """Slot of each big piece (given largest first), -1 for one that no slot has room for any more: largest first
+    to the slot of least estimated cost (its big pieces plus the rest of its room filled with sand of the average
+    density), in vectorised rounds over the slots below the mean estimate that have room for the round's largest."""
     load = np.zeros(slots)
     room = np.full(slots, float(capacity))
     target = (sq.sum() + sand_density * (slots * capacity - length.sum())) / slots
-    slot = np.empty(len(length), dtype=np.int64)
+    slot = np.full(len(length), -1, dtype=np.int64)
     i = 0
     while i < len(length):
         est = load + sand_density * room
         fits = room >= length[i]
-        open_ = np.flatnonzero(fits & (est < target))
-        if len(open_) == 0:
-            open_ = np.flatnonzero(fits) if fits.any() else np.arange(slots)
-            open_ = open_[np.argmin(est[open_]):][:1]
-        take = open_[np.argsort(est[open_], kind="stable")][:len(length) - i]
+        take = np.flatnonzero(fits & (est < target))
+        if len(take) == 0:
+            if not fits.any():
+                i += 1
+                continue
+            take = np.flatnonzero(fits)
+            take = take[np.argmin(est[take]):][:1]
+        take = take[np.argsort(est[take], kind="stable")][:len(length) - i]
         slot[i:i + len(take)] = take
         load[take] += sq[i:i + len(take)]
         room[take] -= length[i:i + len(take)]
@@ -374,22 +386,26 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
     if len(big) > BIG_PER_SLOT * slots:
         big = big[np.argpartition(-length[big], BIG_PER_SLOT * slots - 1)[:BIG_PER_SLOT * slots]]
     big = big[np.argsort(-length[big], kind="stable")]
+    density = float(sq.sum() - sq[big].sum()) / max(int(length.sum() - length[big].sum()), 1)
+    slot = _assign_big(length[big], sq[big], slots, capacity, density)
+    big, slot = big[slot >= 0], slot[slot >= 0]                     # the others go with the sand
     is_sand = np.ones(len(length), dtype=bool)
     is_sand[big] = False
     sand = np.flatnonzero(is_sand)
     key = length[sand]
     sand = sand[np.argsort(key.astype(np.uint16) if key.max(initial=0) < 65536 else key, kind="stable")]
-    # Sand by length: the first count[L] pieces of `sand` are those shorter than L, holding tokens[L] tokens.
-    per_length = np.bincount(key, minlength=1).astype(np.float64)
-    lengths = np.arange(len(per_length), dtype=np.float64)
-    count = _offsets(per_length).astype(np.int64)
-    tokens = _offsets(per_length * lengths)
-    sand_sq = _offsets(per_length * lengths ** 2)
-    fine_end = int(np.searchsorted(tokens, tokens[-1] / 2))          # fine: pieces shorter than this
+    # Sand by length: the first count[i] pieces of `sand` are those of the i shortest lengths present, holding
+    # tokens[i] tokens and sand_sq[i] squared tokens.
+    per_length = np.bincount(key, minlength=1)
+    present = np.flatnonzero(per_length)
+    per_length = per_length[present]
+    count = _offsets(per_length)
+    tokens = _offsets(per_length * present)
+    sand_sq = _offsets(per_length * np.square(present, dtype=np.float64))
+    fine_end = int(np.searchsorted(tokens, tokens[-1] / 2))          # fine: the fine_end shortest lengths
     half = int(count[fine_end])
     fine = sand_sq[fine_end] / max(tokens[fine_end], 1)
     coarse = (sand_sq[-1] - sand_sq[fine_end]) / max(tokens[-1] - tokens[fine_end], 1)
-    slot = _assign_big(length[big], sq[big], slots, capacity, sand_sq[-1] / max(tokens[-1], 1))
     placed, room = _place_big(slot, length[big], slots, mbs, seq)
     load = np.bincount(slot, weights=sq[big], minlength=slots)
     rooms = room.reshape(slots, mbs)
@@ -418,18 +434,20 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
 
 def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fixed_sq: float):
     """Re-pack the slots of `order` (samples, slot by slot) whose cost is above the mean by more than
-    REFINE_TOLERANCE, together with the coldest slots that can absorb their excess, where that lowers the worst
+    REPACK_TOLERANCE (and that are not whole single pieces), together with the coldest slots that can absorb their excess, where that lowers the worst
     of them. `fixed_sq` is a slot's cost besides attention, in units of squared tokens. Returns (streams, slot of
     each re-packed slot, sample sums of squares of the output) or None when nothing is gained."""
     sample_sq = src.sq[order]
     slot_sq = sample_sq.reshape(slots, mbs).sum(axis=1)
     mean = slot_sq.mean()
-    hot = slot_sq > mean + REFINE_TOLERANCE * (mean + fixed_sq)
+    # A slot whose every sample is one whole piece cannot change: re-packing never cuts such a piece.
+    whole = np.diff(src.offsets)[order].reshape(slots, mbs).max(axis=1) == 1
+    hot = (slot_sq > mean + REPACK_TOLERANCE * (mean + fixed_sq)) & ~whole
     if not hot.any():
         return None
     by_cost = np.argsort(slot_sq, kind="stable")
     excess = float(np.sum(slot_sq[hot] - mean))
-    cold = max(int(hot.sum()), int(np.searchsorted(np.cumsum(mean - slot_sq[by_cost]), excess)) + 1)
+    cold = int(np.searchsorted(np.cumsum(mean - slot_sq[by_cost]), excess)) + 1
     pool = hot.copy()
     pool[by_cost[:cold]] = True
     pool_slots = np.flatnonzero(pool)
@@ -443,13 +461,10 @@ def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fix
     return streams, pool_slots, sample_sq
 
 
-def _gather_rows(columns: list[np.ndarray], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """[sum(counts), 3] rows: the ranges firsts[i]:firsts[i]+counts[i] of the (sample, start, length) columns."""
+def _gather(columns: list[np.ndarray], firsts: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """The ranges firsts[i]:firsts[i]+counts[i] of each column, concatenated."""
     idx = _segment_positions(firsts, counts)
-    rows = np.empty((len(idx), 3), dtype=np.int64)
-    for c in range(3):
-        rows[:, c] = columns[c][idx]
-    return rows
+    return [c[idx] for c in columns]
 
 
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: int, micro_batch_num: int,
@@ -473,8 +488,7 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
     order = np.arange(g)
     repacked = None
     if mode != "off":
-        # Before re-packing, the swaps of a full reorder mostly polish slots that re-packing rebuilds anyway.
-        order = balanced_partition(src.sq, slots, REPACK_SWAPS if mode == "repack" else None).reshape(-1)
+        order = balanced_partition(src.sq, slots).reshape(-1)
         if mode == "repack" and cost_model.a > 0:
             repacked = _repack(src, order, slots, mbs, seq, mbs * fixed / cost_model.a)
     sample_sq = src.sq[order] if repacked is None else repacked[2]
@@ -496,17 +510,17 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
         firsts = np.repeat(firsts, 1 + len(streams), axis=1)
         counts = np.concatenate([counts, np.zeros((g, len(streams)), dtype=np.int64)], axis=1)
         counts[pool_samples, 0] = 0
+        parts = [columns]
         for k, s in enumerate(streams):
             firsts[pool_samples, k + 1] = base + s.first
             counts[pool_samples, k + 1] = s.count
-            columns = [np.concatenate([columns[0], src.sample[s.piece]]),
-                       np.concatenate([columns[1], src.start[s.piece] + s.offset]),
-                       np.concatenate([columns[2], s.length])]
+            parts.append([src.sample[s.piece], src.start[s.piece] + s.offset, s.length])
             base += len(s.length)
-    rows = _gather_rows(columns, firsts[out_samples].reshape(-1), counts[out_samples].reshape(-1))
+        columns = [np.concatenate(c) for c in zip(*parts)]
+    pieces = _gather(columns, firsts[out_samples].reshape(-1), counts[out_samples].reshape(-1))
     offsets = _offsets(counts[out_samples].sum(axis=1))
     after = (cost_model.a * sample_sq[out_samples] + fixed).reshape(slots, mbs).sum(axis=1)
-    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, rows, offsets, before, after)
+    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, *pieces, offsets, before, after)
 
 
 def _fill(ascending: np.ndarray, room: np.ndarray) -> np.ndarray:
