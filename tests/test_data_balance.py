@@ -18,6 +18,7 @@ from data_sched.loader import BatchLoader
 from data_sched.packing import pack_documents, pack_lengths
 
 COST = CostModel(a=1.0, b=300.0, c=1000.0)
+ATTENTION = CostModel(a=1.0, b=0.0)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -70,12 +71,13 @@ def test_reorder_is_an_exact_permutation_and_deterministic(batch):
     assert np.isclose(plan.slot_costs_after.sum(), plan.slot_costs_before.sum())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(batch=global_batches())
 def test_repack_keeps_every_input_label_pair_exactly_once(batch):
     doc_lens, dp, mb, seed = batch
     g, seq = len(doc_lens), int(doc_lens[0].sum())
-    plan = balance_global_batch(doc_lens, "repack", dp, mb, COST, seed)
+    # Attention cost only (as the loader balances): with a large per-token term few small batches need re-packing.
+    plan = balance_global_batch(doc_lens, "repack", dp, mb, ATTENTION, seed)
     tokens = _unique_tokens(g, seq)
     inputs, labels = plan.apply(tokens)
     assert _pairs(inputs, labels) == _pairs(tokens[:, :-1], tokens[:, 1:])
@@ -86,9 +88,9 @@ def test_repack_keeps_every_input_label_pair_exactly_once(batch):
         assert length > 0 and start + length <= ends[piece]
     for j in range(g):
         assert plan.doc_lens(j).sum() == seq
-    assert np.array_equal(balance_global_batch(doc_lens, "repack", dp, mb, COST, seed).segments, plan.segments)
+    assert np.array_equal(balance_global_batch(doc_lens, "repack", dp, mb, ATTENTION, seed).segments, plan.segments)
     assert plan.slot_costs_after.max() <= balance_global_batch(
-        doc_lens, "reorder", dp, mb, COST, seed).slot_costs_after.max() * (1 + 1e-9)
+        doc_lens, "reorder", dp, mb, ATTENTION, seed).slot_costs_after.max() * (1 + 1e-9)
 
 
 @settings(max_examples=80, deadline=None)
@@ -172,7 +174,7 @@ def test_repack_bound_sees_pieces_that_need_a_sample_each():
     lengths = np.array([10, 10, 10, 6, 4])
     assert repack_bound(lengths, slots=2, mbs=2, seq=10) == 200.0
     doc_lens = [np.array([10]), np.array([10]), np.array([10]), np.array([6, 4])]
-    plan = balance_global_batch(doc_lens, "repack", 2, 1, CostModel(a=1.0, b=0.0), seed=0)
+    plan = balance_global_batch(doc_lens, "repack", 2, 1, ATTENTION, seed=0)
     assert plan.slot_costs_after.max() == 200.0
 
 
@@ -182,13 +184,12 @@ def test_repack_reaches_its_bound_on_long_tails(seq, sigma):
     rng = np.random.default_rng(seq)
     offsets, lens = pack_lengths(np.maximum(1, rng.lognormal(np.log(seq / 16), sigma, 20000)).astype(int) + 1, seq)
     doc_lens = [lens[offsets[i]:offsets[i + 1]] for i in range(256)]
-    cost = CostModel(a=1.0, b=0.0)
     for dp, mb in ((8, 8), (32, 4), (128, 2)):
-        plan = balance_global_batch(doc_lens, "repack", dp, mb, cost, seed=0)
-        bound = lower_bounds(doc_lens, dp, mb, cost)
+        plan = balance_global_batch(doc_lens, "repack", dp, mb, ATTENTION, seed=0)
+        bound = lower_bounds(doc_lens, dp, mb, ATTENTION)
         assert plan.slot_costs_after.max() <= max(bound["mean"], bound["repack"]) * 1.02
         assert plan.slot_costs_after.max() <= balance_global_batch(
-            doc_lens, "reorder", dp, mb, cost, seed=0).slot_costs_after.max() * (1 + 1e-9)
+            doc_lens, "reorder", dp, mb, ATTENTION, seed=0).slot_costs_after.max() * (1 + 1e-9)
 
 
 # ---- the loader with balancing on -------------------------------------------------------------------------------
