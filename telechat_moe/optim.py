@@ -1,5 +1,5 @@
-"""AdamW (MindFormers' implementation: PyTorch's update with bias correction and decoupled weight decay; norms
-and the router's expert bias are not decayed) and the LR schedule.
+"""AdamW (PyTorch's update: bias correction, decoupled weight decay; norms and the router's expert bias are not
+decayed) on MindSpore's fused AdamWeightDecay kernel, and the LR schedule.
 
 The learning rate is a pure function of the step, set into the optimizer before each update, so the value that is
 logged is the value that is used, and resuming at step n needs nothing but n.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.nn.optim.adam import _fused_adam_weight_decay
 
 
 def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kind: str) -> float:
@@ -22,18 +23,48 @@ def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kin
     return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+class AdamW(nn.AdamWeightDecay):
+    """torch.optim.AdamW on the fused AdamWeightDecay kernel (one kernel per parameter; MindFormers' AdamW, written
+    as a chain of elementwise ops, was 5x slower per step on CPU). The kernel computes
+    p -= lr * (m / (sqrt(v) + eps) + wd * p) without bias correction, so each step folds it in:
+    lr' = lr * sqrt(bc2) / bc1, eps' = eps * sqrt(bc2) and wd' = wd * bc1 / sqrt(bc2) give exactly
+    p * (1 - lr * wd) - lr * (m / bc1) / (sqrt(v / bc2) + eps)."""
+
+    @property
+    def exp_avg(self):
+        return self.moments1
+
+    @property
+    def exp_avg_sq(self):
+        return self.moments2
+
+    def construct(self, gradients):
+        weight_decay = self.get_weight_decay()
+        lr = self.get_lr()
+        self.assignadd(self.global_step, self.global_step_increase_tensor)
+        step = self.global_step.astype(ms.float32)
+        bc1 = 1.0 - ops.pow(self.beta1, step)
+        root_bc2 = ops.sqrt(1.0 - ops.pow(self.beta2, step))
+        lr_t = lr * root_bc2 / bc1
+        eps_t = self.eps * root_bc2
+        decay_scale = bc1 / root_bc2
+        weight_decay = self.hyper_map(ops.partial(ops.mul, decay_scale), weight_decay)
+        return self.hyper_map(ops.partial(_fused_adam_weight_decay, self.fused_opt, self.beta1, self.beta2, eps_t,
+                                          lr_t),
+                              weight_decay, self._parameters, self.moments1, self.moments2, gradients,
+                              self.decay_flags, self.optim_filter)
+
+
 def _decays(param: Parameter) -> bool:
     return len(param.shape) >= 2
 
 
 def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_decay: float) -> nn.Optimizer:
-    # MindSpore's own nn.AdamWeightDecay has no bias correction; MindFormers' AdamW matches torch.optim.AdamW.
-    from mindformers.core.optim.adamw import AdamW
     groups = [{"params": [p for p in params if _decays(p)], "weight_decay": weight_decay},
               {"params": [p for p in params if not _decays(p)], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     learning_rate = Parameter(Tensor(lr, ms.float32), name="learning_rate", requires_grad=False)
-    return AdamW(groups, learning_rate=learning_rate, betas=(float(betas[0]), float(betas[1])), eps=float(eps))
+    return AdamW(groups, learning_rate=learning_rate, beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps))
 
 
 def set_lr(optimizer: nn.Optimizer, lr: float) -> None:

@@ -188,7 +188,6 @@ class Trainer:
 
         self.model = TeleChatMoE(cfg, recipe.context.device_target)
         o = recipe.optimizer
-        os.environ.setdefault("LOG_MF_PATH", str(self.out / "logs" / "mindformers"))  # MindFormers' own log
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
         # Gradients must come in the optimizer's order, which groups decayed parameters first.
         self.weights = self.optimizer.parameters
