@@ -231,6 +231,16 @@ def _one_line(error: BaseException) -> str:
 _GRAPH_FUNCTIONS: dict[Callable, Callable] = {}
 
 
+def _drain_pending_errors() -> None:
+    """PyNative launches kernels asynchronously: a failed launch can raise again at the next sync point, which
+    would be charged to the next operator's row. Synchronise here so the failure stays in its own row."""
+    import mindspore as ms
+    try:
+        ms.runtime.synchronize()
+    except (RuntimeError, TypeError, ValueError):
+        pass
+
+
 def _graph_function(fn: Callable) -> Callable:
     """One ms.jit wrapper per function, so that a second dtype or shape recompiles the same object."""
     import mindspore as ms
@@ -261,6 +271,7 @@ def check_case(case: OpCase, dtype="float32", mode: str = "pynative", seed: int 
             tensors = [_to_tensor(v, "float32" if n in case.float32_inputs else dtype) for n, v in rounded.items()]
             actual = [_to_numpy(out) for out in _as_tuple(fn(*tensors))]
         except (RuntimeError, TypeError, ValueError) as error:
+            _drain_pending_errors()
             status = "not runnable" if dtype == "bfloat16" else "error"
             results.append(OpResult(case.name, dtype, label, ks, float("nan"), float("nan"), rtol, status,
                                     _one_line(error), time.perf_counter() - start))
