@@ -1,7 +1,11 @@
 """Fit the per-sample cost model t = a*sum(l^2) + b*sum(l) + c from measured forward+backward times, and check
 that balancing by it shrinks the measured spread of per-slot times.
 
-    python scripts/fit_attention_cost.py --recipe tiny --seq 2048 --set model.num_attention_heads=16
+    python scripts/fit_attention_cost.py --seq 1024 --bucket 256 --set model.num_attention_heads=16 --skip-batch \
+        --out output/attention_cost.json                                   # calibrate (step 1)
+    python scripts/fit_attention_cost.py --seq 1024 --set model.num_attention_heads=16 \
+        --cost output/attention_cost.json --global-batch 16 --dp 2 --micro-batch-num 2 --batch-seed 5 \
+        --out output/attention_slots.json                                  # step 2
     python scripts/fit_attention_cost.py --from-measurements times.json --out cost.json   # e.g. measured on Ascend
 
 Measuring (the real TeleChat3-MoE model of the recipe with model.attention_kernel=varlen, graph mode, the trainer's
@@ -15,7 +19,9 @@ less than wall time; the median of --repeats runs after two warm-up runs per com
    micro-batch [micro_batch_size, seq] with its document boundaries, --repeats times. The measured max/mean of
    the per-slot medians is printed beside the model's prediction, with the run-to-run noise.
 The calibration file (JSON) is what the recipe's `data.attention_cost` names; a PNG shows the fit and the spreads.
---from-measurements takes a JSON list of {"doc_lens": [...], "seconds": t} and only fits.
+--cost runs step 2 with an earlier calibration: MindSpore keeps one compiled graph (and its memory) per input shape,
+so at long sequences the two steps are better run as two processes. --from-measurements takes a JSON list of
+{"doc_lens": [...], "seconds": t} and only fits.
 """
 from __future__ import annotations
 
@@ -179,9 +185,10 @@ def measure_slots(stepper: Stepper, doc_lens, dp: int, mb: int, cost: CostModel,
                      "measured_max_over_mean": float(measured.max() / measured.mean()),
                      "predicted_max_over_mean": float(predicted.max() / predicted.mean()),
                      "noise": noise(slot_runs)}
-        print(f"  {mode:8s} measured max/mean {out[mode]['measured_max_over_mean']:.3f}   predicted "
-              f"{out[mode]['predicted_max_over_mean']:.3f}   run-to-run noise {out[mode]['noise']:.1%}   "
-              f"slots (s) {np.round(measured, 2).tolist()}", flush=True)
+        print(f"  {mode:8s} max/mean measured {out[mode]['measured_max_over_mean']:.3f} predicted "
+              f"{out[mode]['predicted_max_over_mean']:.3f} | max (s) measured {measured.max():.2f} predicted "
+              f"{predicted.max():.2f} | run-to-run noise {out[mode]['noise']:.0%} | slots (s) "
+              f"{np.round(measured, 2).tolist()}", flush=True)
     return out
 
 
@@ -191,7 +198,14 @@ def plot(path: Path, lens, times, cost: CostModel, singles: int, slots: dict | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if slots else 1, figsize=(11 if slots else 6, 4.2), squeeze=False)
+    panels = [name for name, on in (("fit", lens is not None), ("slots", slots)) if on]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    if slots:
+        _plot_slots(axes[0, -1], slots)
+    if lens is None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     ax = axes[0, 0]
     predicted = cost.sample_costs(lens) * 1e3
     ax.plot(predicted[:singles], times[:singles] * 1e3, "o", label="one document of L tokens")
@@ -203,20 +217,21 @@ def plot(path: Path, lens, times, cost: CostModel, singles: int, slots: dict | N
     ax.set_ylabel("measured (ms, CPU time)")
     ax.set_title(f"a={cost.a:.3g}/tok², b={cost.b:.3g}/tok, c={cost.c:.3g}; R²={cost.r2:.4f}", fontsize=9)
     ax.legend(fontsize=7)
-    if slots:
-        ax = axes[0, 1]
-        modes = list(slots)
-        x = np.arange(len(modes))
-        ax.bar(x - 0.2, [slots[m]["measured_max_over_mean"] for m in modes], 0.4, label="measured",
-               yerr=[slots[m]["noise"] for m in modes], capsize=3)
-        ax.bar(x + 0.2, [slots[m]["predicted_max_over_mean"] for m in modes], 0.4, label="predicted")
-        ax.set_xticks(x, modes)
-        ax.set_ylabel("max / mean slot time (error bar: run-to-run noise)")
-        ax.set_ylim(bottom=0.9)
-        ax.axhline(1.0, color="k", lw=0.5)
-        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _plot_slots(ax, slots: dict) -> None:
+    modes = list(slots)
+    x = np.arange(len(modes))
+    ax.bar(x - 0.2, [slots[m]["measured_max_over_mean"] for m in modes], 0.4, label="measured",
+           yerr=[slots[m]["noise"] for m in modes], capsize=3)
+    ax.bar(x + 0.2, [slots[m]["predicted_max_over_mean"] for m in modes], 0.4, label="predicted")
+    ax.set_xticks(x, modes)
+    ax.set_ylabel("max / mean slot time (error bar: run-to-run noise)")
+    ax.set_ylim(bottom=0.9)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.legend(fontsize=8)
 
 
 def main(argv=None) -> int:
@@ -230,6 +245,9 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--micro-batch-num", type=int, default=4)
     p.add_argument("--skip-batch", action="store_true", help="calibrate only (step 1)")
+    p.add_argument("--cost", default="", help="use this calibration file instead of measuring one (step 2 only)")
+    p.add_argument("--batch-seed", type=int, default=None, help="which global batch of the corpus (default: "
+                   "the recipe's seed)")
     p.add_argument("--from-measurements", default="", help="fit these measurements instead of measuring")
     p.add_argument("--out", default=str(REPO / "output" / "attention_cost.json"))
     args = p.parse_args(argv)
@@ -241,6 +259,7 @@ def main(argv=None) -> int:
             raise DataError(f"--out: cannot create {out.parent} ({e.strerror})") from None
         report: dict = {}
         slots = None
+        lens = times = None
         if args.from_measurements:
             lens, times = load_measurements(args.from_measurements)
             cost = fit_attention_cost(lens, times, source=f"measurements {args.from_measurements}")
@@ -258,33 +277,44 @@ def main(argv=None) -> int:
             except RecipeError as e:
                 raise DataError(str(e)) from None
             stepper = Stepper(recipe)
-            print(f"[1/2] calibration: {recipe.name} ({recipe.model.attention_kernel} attention), single documents "
-                  f"of {args.bucket}..{args.seq} tokens and full samples of n equal documents", flush=True)
-            cal = calibrate(stepper, args.seq, args.bucket, args.repeats)
-            lens, singles = cal["doc_lens"], cal["singles"]
-            times = np.array([np.median(r) for r in cal["runs"]])
-            cost = fit_attention_cost(lens, times, source=f"{recipe.name} forward+backward on "
-                                      f"{recipe.context.device_target}, {recipe.model.attention_kernel} attention, "
-                                      f"single documents {args.bucket}..{args.seq} and full mixes")
-            report["calibration_noise"] = noise(cal["runs"])
-            report["calibration_runs_s"] = [r.tolist() for r in cal["runs"]]
+            if args.cost:
+                cost = CostModel.load(args.cost)
+                singles = 0
+                print(f"[1/2] calibration from {args.cost}", flush=True)
+            else:
+                print(f"[1/2] calibration: {recipe.name} ({recipe.model.attention_kernel} attention), single "
+                      f"documents of {args.bucket}..{args.seq} tokens and full samples of n equal documents",
+                      flush=True)
+                cal = calibrate(stepper, args.seq, args.bucket, args.repeats)
+                lens, singles = cal["doc_lens"], cal["singles"]
+                times = np.array([np.median(r) for r in cal["runs"]])
+                cost = fit_attention_cost(lens, times, source=f"{recipe.name} forward+backward on "
+                                          f"{recipe.context.device_target}, {recipe.model.attention_kernel} "
+                                          f"attention, single documents {args.bucket}..{args.seq} and full mixes")
+                report["calibration_noise"] = noise(cal["runs"])
+                report["calibration_runs_s"] = [r.tolist() for r in cal["runs"]]
         print(f"fit: a={cost.a:.4g} s/token^2  b={cost.b:.4g} s/token  c={cost.c:.4g} s   R^2={cost.r2:.4f} "
               f"({cost.num_points} points)")
-        sq, _ = length_moments(lens)
-        attention_share = cost.a * sq / cost.sample_costs(lens)
-        print(f"attention term: {attention_share.min():.0%} .. {attention_share.max():.0%} of the predicted time")
-        report.update(cost=cost.__dict__, doc_lens=[l.tolist() for l in lens], seconds=times.tolist(),
-                      predicted=cost.sample_costs(lens).tolist())
+        report["cost"] = cost.__dict__
+        if lens is not None:
+            sq, _ = length_moments(lens)
+            attention_share = cost.a * sq / cost.sample_costs(lens)
+            print(f"attention term: {attention_share.min():.0%} .. {attention_share.max():.0%} of the predicted time")
+            report.update(doc_lens=[l.tolist() for l in lens], seconds=times.tolist(),
+                          predicted=cost.sample_costs(lens).tolist())
         if not args.from_measurements and not args.skip_batch:
             print(f"[2/2] a real global batch of {args.global_batch} x {args.seq} tokens over dp={args.dp} x "
                   f"micro_batch_num={args.micro_batch_num} slots, each slot one micro-batch", flush=True)
-            doc_lens = real_batch(recipe, args.seq, args.global_batch, recipe.seed)
+            doc_lens = real_batch(recipe, args.seq, args.global_batch,
+                                  recipe.seed if args.batch_seed is None else args.batch_seed)
             slots = measure_slots(stepper, doc_lens, args.dp, args.micro_batch_num, cost, args.repeats)
             report["slots"] = slots
-        cost.save(str(out))
+        if not args.cost:
+            cost.save(str(out))
         out.with_suffix(".report.json").write_text(json.dumps(report, indent=1))
         plot(out.with_suffix(".png"), lens, times, cost, singles, slots)
-        print(f"wrote {out} (calibration), {out.with_suffix('.report.json')}, {out.with_suffix('.png')}")
+        print(f"wrote {'' if args.cost else f'{out} (calibration), '}{out.with_suffix('.report.json')}, "
+              f"{out.with_suffix('.png')}")
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
