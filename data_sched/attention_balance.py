@@ -423,7 +423,7 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
     f_order = np.concatenate([(wanting[:, None] * mbs + np.arange(mbs)).reshape(-1), np.flatnonzero(dealt)])
     shortest = min(half, int(count[np.searchsorted(tokens, f_room[~dealt].sum())]))
     rest = half - shortest
-    fine_part = np.concatenate([sand[:shortest], sand[shortest:half][_stratified(rest)]])
+    fine_part = np.concatenate([sand[:shortest][_stratified(shortest)], sand[shortest:half][_stratified(rest)]])
     coarse_part = sand[half:][_stratified(len(sand) - half)]
     b_count = np.bincount(placed[:, 1], minlength=slots * mbs)
     streams = [_Stream(pieces[big[placed[:, 0]]], placed[:, 2], placed[:, 3], _offsets(b_count)[:-1], b_count)]
