@@ -22,6 +22,7 @@ balanced group lands on which rank and micro-batch, so no rank is systematically
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -320,17 +321,21 @@ def _place_big(slot: np.ndarray, length: np.ndarray, slots: int, mbs: int, seq: 
     return placed[np.argsort(placed[:, 1], kind="stable")], room.reshape(-1)
 
 
-_BYTE_REVERSED = np.array([int(f"{b:08b}"[::-1], 2) for b in range(256)], dtype=np.uint32)
+@lru_cache(maxsize=32)
+def _bit_reversed(bits: int) -> np.ndarray:
+    """0..2**bits - 1, each with its `bits` bits reversed (read-only; cached, as batches repeat their sizes)."""
+    rev = np.zeros(1, dtype=np.int64)
+    for _ in range(bits):
+        rev = np.concatenate([2 * rev, 2 * rev + 1])
+    rev.flags.writeable = False
+    return rev
 
 
 def _stratified(n: int) -> np.ndarray:
     """A permutation of 0..n-1 (ranks of items sorted by size) whose every window holds items from across the
     whole range: rank of position j = j with its bits reversed (van der Corput order), skipping ranks >= n."""
-    bits = max(1, int(n - 1).bit_length())
-    j = np.arange(1 << bits, dtype=np.uint32)
-    rev = (_BYTE_REVERSED[j & 255] << 24 | _BYTE_REVERSED[(j >> 8) & 255] << 16
-           | _BYTE_REVERSED[(j >> 16) & 255] << 8 | _BYTE_REVERSED[j >> 24]) >> (32 - bits)
-    return rev[rev < n].astype(np.int64)
+    rev = _bit_reversed(max(1, int(n - 1).bit_length()))
+    return rev[rev < n]
 
 
 def _coarse_share(need: np.ndarray, room: np.ndarray, fine: float, coarse: float, coarse_tokens: int) -> np.ndarray:
