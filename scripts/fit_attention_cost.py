@@ -17,7 +17,8 @@ less than wall time; the median of --repeats runs after two warm-up runs per com
 2. A real global batch (the shared sample corpus if present, else the embedded default corpus) laid out by
    data.attention_balance off / reorder / repack over --dp x --micro-batch-num slots; every slot runs as one
    micro-batch [micro_batch_size, seq] with its document boundaries, --repeats times. The measured max/mean of
-   the per-slot medians is printed beside the model's prediction, with the run-to-run noise.
+   the per-slot medians, and its mean over rounds taken within each round (free of the machine's drift), are
+   printed beside the model's prediction, with the run-to-run noise.
 The calibration file (JSON) is what the recipe's `data.attention_cost` names; a PNG shows the fit and the spreads.
 --cost runs step 2 with an earlier calibration: MindSpore keeps one compiled graph (and its memory) per input shape,
 so at long sequences the two steps are better run as two processes. --from-measurements takes a JSON list of
@@ -177,18 +178,22 @@ def measure_slots(stepper: Stepper, doc_lens, dp: int, mb: int, cost: CostModel,
         print(f"  round {r + 1}/{repeats} done" if r >= 0 else "  warm-up round done", flush=True)
     out = {}
     for mode, plan in plans.items():
-        slot_runs = [np.array(x) for x in runs[mode]]
-        measured = np.array([np.median(x) for x in slot_runs])
+        slot_runs = np.array(runs[mode])                                      # [slots, repeats]
+        measured = np.median(slot_runs, axis=1)
+        # Within one round every layout ran at nearly the same time: its spread is free of the machine's drift.
+        per_round = slot_runs.max(axis=0) / slot_runs.mean(axis=0)
         predicted = plan.slot_costs_after
-        out[mode] = {"measured_s": measured.tolist(), "runs_s": [x.tolist() for x in slot_runs],
+        out[mode] = {"measured_s": measured.tolist(), "runs_s": slot_runs.tolist(),
                      "predicted_s": predicted.tolist(),
                      "measured_max_over_mean": float(measured.max() / measured.mean()),
+                     "per_round_max_over_mean": per_round.tolist(),
                      "predicted_max_over_mean": float(predicted.max() / predicted.mean()),
-                     "noise": noise(slot_runs)}
-        print(f"  {mode:8s} max/mean measured {out[mode]['measured_max_over_mean']:.3f} predicted "
-              f"{out[mode]['predicted_max_over_mean']:.3f} | max (s) measured {measured.max():.2f} predicted "
-              f"{predicted.max():.2f} | run-to-run noise {out[mode]['noise']:.0%} | slots (s) "
-              f"{np.round(measured, 2).tolist()}", flush=True)
+                     "noise": noise(list(slot_runs))}
+        print(f"  {mode:8s} max/mean predicted {out[mode]['predicted_max_over_mean']:.3f} | measured: of the "
+              f"medians {out[mode]['measured_max_over_mean']:.3f}, per round {per_round.mean():.3f} "
+              f"+- {per_round.std(ddof=1) / np.sqrt(len(per_round)) if len(per_round) > 1 else 0:.3f} | max (s) "
+              f"predicted {predicted.max():.2f} measured {measured.max():.2f} | run-to-run noise "
+              f"{out[mode]['noise']:.0%}", flush=True)
     return out
 
 
@@ -224,11 +229,12 @@ def plot(path: Path, lens, times, cost: CostModel, singles: int, slots: dict | N
 def _plot_slots(ax, slots: dict) -> None:
     modes = list(slots)
     x = np.arange(len(modes))
-    ax.bar(x - 0.2, [slots[m]["measured_max_over_mean"] for m in modes], 0.4, label="measured",
-           yerr=[slots[m]["noise"] for m in modes], capsize=3)
+    rounds = [np.array(slots[m]["per_round_max_over_mean"]) for m in modes]
+    ax.bar(x - 0.2, [r.mean() for r in rounds], 0.4, label="measured (mean over rounds)",
+           yerr=[r.std(ddof=1) / np.sqrt(len(r)) if len(r) > 1 else 0.0 for r in rounds], capsize=3)
     ax.bar(x + 0.2, [slots[m]["predicted_max_over_mean"] for m in modes], 0.4, label="predicted")
     ax.set_xticks(x, modes)
-    ax.set_ylabel("max / mean slot time (error bar: run-to-run noise)")
+    ax.set_ylabel("max / mean slot time (error bar: standard error)")
     ax.set_ylim(bottom=0.9)
     ax.axhline(1.0, color="k", lw=0.5)
     ax.legend(fontsize=8)
