@@ -439,9 +439,10 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
 
 def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fixed_sq: float):
     """Re-pack the slots of `order` (samples, slot by slot) whose cost is above the mean by more than
-    REPACK_TOLERANCE (and that are not whole single pieces), together with the coldest slots that can absorb their excess, where that lowers the worst
-    of them. `fixed_sq` is a slot's cost besides attention, in units of squared tokens. Returns (streams, slot of
-    each re-packed slot, sample sums of squares of the output) or None when nothing is gained."""
+    REPACK_TOLERANCE (and that are not whole single pieces), together with the coldest slots that can absorb
+    their excess, where that lowers the worst of them. `fixed_sq` is a slot's cost besides attention, in units of
+    squared tokens. Returns (streams, re-packed slots, sample sums of squares of the output) or None when nothing
+    is gained."""
     sample_sq = src.sq[order]
     slot_sq = sample_sq.reshape(slots, mbs).sum(axis=1)
     mean = slot_sq.mean()
