@@ -49,6 +49,15 @@ class ForwardBackward(nn.Cell):
         return total, lm, mtp, aux, z, loads, grads
 
 
+class AddGradients(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.map = ops.HyperMap()
+
+    def construct(self, a, b):
+        return self.map(ops.add, a, b)
+
+
 class PrepareGradients(nn.Cell):
     """Unscale, average over data-parallel ranks, measure the global norm and clip."""
 
@@ -74,42 +83,13 @@ def lambda_sum_squares(g):
     return ops.sum(ops.square(g.astype(ms.float32)))
 
 
-def zero_out(p):
-    return ops.assign(p, ops.zeros_like(p))
-
-
-class TrainStep(nn.Cell):
-    """One micro-batch of a step, in ONE graph: forward, backward, and on the last micro-batch the gradient
-    average over micro-batches and ranks, clipping and the optimizer update (skipped on overflow). Earlier
-    micro-batches add their gradients into accumulation buffers. Gradients never leave the graph (handing a
-    graph's output tensors to another graph kept each step's gradients alive in MindSpore 2.9 on CPU: +54 MB per
-    step on tiny), except on dump steps, where they are returned for the tensor dump."""
-
-    def __init__(self, forward_backward: ForwardBackward, prepare: PrepareGradients, optimizer: nn.Optimizer,
-                 micro_batches: int):
+class ApplyUpdate(nn.Cell):
+    def __init__(self, optimizer: nn.Optimizer):
         super().__init__(auto_prefix=False)
-        self.forward_backward = forward_backward
-        self.prepare = prepare
         self.optimizer = optimizer
-        self.map = ops.HyperMap()
-        self.accum = optimizer.parameters.clone(prefix="grad_accum", init="zeros") if micro_batches > 1 else None
 
-    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale, grad_scale,
-                  last: bool, return_grads: bool):
-        total, lm, mtp, aux, z, loads, grads = self.forward_backward(input_ids, labels, loss_mask, segment_ids,
-                                                                     position_ids, scale)
-        if self.accum is not None:
-            if not last:
-                self.map(ops.assign_add, self.accum, grads)
-                return total, lm, mtp, aux, z, loads, ops.zeros((), ms.float32), True
-            grads = self.map(ops.add, grads, self.accum)
-            self.map(zero_out, self.accum)
-        grads, norm, finite = self.prepare(grads, grad_scale)
-        if finite:
-            self.optimizer(grads)
-        if return_grads:
-            return total, lm, mtp, aux, z, loads, norm, finite, grads
-        return total, lm, mtp, aux, z, loads, norm, finite
+    def construct(self, grads):
+        return self.optimizer(grads)
 
 
 class SumOverRanks(nn.Cell):
@@ -212,9 +192,9 @@ class Trainer:
         # Gradients must come in the optimizer's order, which groups decayed parameters first.
         self.weights = self.optimizer.parameters
         self.forward_backward = ForwardBackward(self.model, self.weights)
-        self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, p.data_parallel,
-                                                                           o.grad_clip),
-                                    self.optimizer, p.micro_batch_num)
+        self.add = AddGradients()
+        self.prepare = PrepareGradients(self.weights, p.data_parallel, o.grad_clip)
+        self.update = ApplyUpdate(self.optimizer)
         self.sum_over_ranks = SumOverRanks() if p.data_parallel > 1 else None
         self.evaluate = Evaluate(self.model)
         self.biases = expert_biases(self.model)
@@ -339,17 +319,16 @@ class Trainer:
         local = batch["input_ids"].shape[0]
         mb = local // self.micro
         scale = Tensor(self.scaler.scale, ms.float32)
-        grad_scale = Tensor(1.0 / (self.scaler.scale * self.micro), ms.float32)
-        sums, loads, grads = np.zeros(5), None, None
+        sums, grads, loads = np.zeros(5), None, None
         for i in range(self.micro):
-            last = i == self.micro - 1
-            out = self.step_graph(*self._tensors(batch, slice(i * mb, (i + 1) * mb)), scale, grad_scale, last,
-                                  dumping and last)
-            sums += [float(x.asnumpy()) for x in out[:5]]
-            loads = out[5].asnumpy() if loads is None else loads + out[5].asnumpy()
-        norm, finite = out[6], bool(out[7].asnumpy())
-        if dumping:
-            grads = out[8]
+            *losses, load, g = self.forward_backward(*self._tensors(batch, slice(i * mb, (i + 1) * mb)), scale)
+            sums += [float(x.asnumpy()) for x in losses]
+            loads = load.asnumpy() if loads is None else loads + load.asnumpy()
+            grads = g if grads is None else self.add(grads, g)
+        grads, norm, finite = self.prepare(grads, Tensor(1.0 / (self.scaler.scale * self.micro), ms.float32))
+        finite = bool(finite.asnumpy())
+        if finite:
+            self.update(grads)
         self.scaler.update(finite)
         if self.sum_over_ranks is not None:
             loads = self.sum_over_ranks(Tensor(loads)).asnumpy()
