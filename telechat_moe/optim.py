@@ -1,8 +1,8 @@
 """AdamW (PyTorch's update: bias correction, decoupled weight decay; norms and the router's expert bias are not
 decayed) on MindSpore's fused AdamWeightDecay kernel, and the LR schedule.
 
-The learning rate is a pure function of the step, set into the optimizer before each update, so the value that is
-logged is the value that is used, and resuming at step n needs nothing but n.
+The learning rate is a pure function of the step, assigned to the optimizer's rate inside the training graph before
+each update, so the value that is logged is the value that is used, and resuming at step n needs nothing but n.
 """
 from __future__ import annotations
 
@@ -65,7 +65,3 @@ def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_de
     groups = [g for g in groups if g["params"]]
     learning_rate = Parameter(Tensor(lr, ms.float32), name="learning_rate", requires_grad=False)
     return AdamW(groups, learning_rate=learning_rate, beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps))
-
-
-def set_lr(optimizer: nn.Optimizer, lr: float) -> None:
-    optimizer.learning_rate.set_data(Tensor(lr, ms.float32))
