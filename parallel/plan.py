@@ -73,9 +73,7 @@ def parse_layout(text: str, w: Workload, recipe) -> dict:
     if dp * mbs * m != w.global_batch:
         raise PlanError(f"--evaluate: dp*mbs*m = {dp}*{mbs}*{m} = {dp * mbs * m}, but the global batch is "
                         f"{w.global_batch}")
-    rc_default = "full" if recipe.recompute_config.recompute else (
-        "selective" if recipe.recompute_config.select_recompute else "none")
-    choices = {"recompute": (given.get("recompute", rc_default), RECOMPUTE),
+    choices = {"recompute": (given.get("recompute", recipe.recompute_config.mode), RECOMPUTE),
                "ep_scheme": (given.get("ep_scheme", "hierarchical" if recipe.model.moe_token_dispatcher_type ==
                                        "hierarchical" else "flat"), EP_SCHEMES),
                "ep_overlap": (given.get("ep_overlap", "0"), ("0", "1", "false", "true"))}

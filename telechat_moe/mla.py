@@ -76,6 +76,26 @@ def dense_causal_attention(query, key, value, bias, scale: float, softmax_dtype,
     return ops.BatchMatMul()(probs, value.astype(compute_dtype))
 
 
+class AttentionCore(nn.Cell):
+    """softmax(q k^T * scale + mask) v by the configured kernel, a cell of its own so that selective recompute
+    can drop just its scores (the largest activations of a layer) and recompute them in the backward."""
+
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
+        super().__init__()
+        self.scale = cfg.softmax_scale()
+        self.varlen = cfg.attention_kernel == "varlen"
+        if self.varlen:
+            from dvm_fusion.varlen_attention import attention_kernel_for
+            self.varlen_attention = attention_kernel_for(device_target)
+        self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
+        self.compute_dtype = ms_dtype(cfg.compute_dtype)
+
+    def construct(self, query, key, value, mask):
+        if self.varlen:
+            return self.varlen_attention(query, key, value, mask, self.scale)
+        return dense_causal_attention(query, key, value, mask, self.scale, self.softmax_dtype, self.compute_dtype)
+
+
 class MultiLatentAttention(nn.Cell):
     def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
         super().__init__()
@@ -93,13 +113,7 @@ class MultiLatentAttention(nn.Cell):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps) if cfg.qk_layernorm else nn.Identity()
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), std, cdt)
         self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, std, cdt)
-        self.scale = cfg.softmax_scale()
-        self.varlen = cfg.attention_kernel == "varlen"
-        if self.varlen:
-            from dvm_fusion.varlen_attention import attention_kernel_for
-            self.varlen_attention = attention_kernel_for(device_target)
-        self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
-        self.compute_dtype = cdt
+        self.core = AttentionCore(cfg, device_target)
 
     def construct(self, x, cos, sin, mask):
         """`mask` is what the attention kernel needs: the additive bias [b, 1, s, s] (dense) or the segment ids
@@ -124,8 +138,5 @@ class MultiLatentAttention(nn.Cell):
         query = ops.cat((q_nope, q_rot), -1)
         key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, s, self.rope))), -1)
 
-        if self.varlen:
-            out = self.varlen_attention(query, key, v, mask, self.scale)
-        else:
-            out = dense_causal_attention(query, key, v, mask, self.scale, self.softmax_dtype, self.compute_dtype)
+        out = self.core(query, key, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, h * self.v_dim))

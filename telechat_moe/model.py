@@ -66,6 +66,17 @@ class TeleChatMoE(nn.Cell):
         self.causal = Tensor(np.tril(np.ones((cfg.seq_length, cfg.seq_length), dtype=np.bool_)))
         self.head_matmul = ops.MatMul(transpose_b=True)
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation (recompute_config): `full` keeps each decoder layer's input only and reruns
+        the layer in the backward; `selective` reruns the attention core only. Gradients are unchanged."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute: expected none, selective or full, got {mode!r}")
+        for layer in list(self.layers) + [block.block for block in self.mtp]:
+            if mode == "full":
+                layer.recompute()
+            elif mode == "selective":
+                layer.self_attn.core.recompute()
+
     # ---- pieces -------------------------------------------------------------------------------------
     def embed(self, input_ids):
         return self.embed_tokens(input_ids)

@@ -51,6 +51,11 @@ class RecomputeConfig:
     recompute: bool = False
     select_recompute: bool = False
 
+    @property
+    def mode(self) -> str:
+        """none | selective (the attention core) | full (every decoder layer), as the planner names them."""
+        return "full" if self.recompute else "selective" if self.select_recompute else "none"
+
 
 @dataclass
 class OptimizerConfig:

@@ -224,6 +224,7 @@ class Trainer:
              f"{self.data.tokenizer.vocab_size} ({tm.seconds:.1f}s)", self.main)
 
         self.model = TeleChatMoE(cfg, recipe.context.device_target)
+        self.model.set_recompute(recipe.recompute_config.mode)
         o = recipe.optimizer
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
         # Gradients must come in the optimizer's order, which groups decayed parameters first.

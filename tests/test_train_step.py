@@ -148,3 +148,23 @@ def test_steps_do_not_keep_their_gradients_alive(trainer):
         trainer.train_step(trainer.loader.batch_at(0, 23 + step))
     gradient_bytes = sum(p.size * 4 for p in trainer.weights)
     assert _resident_bytes() - start < 3 * gradient_bytes, (_resident_bytes() - start) / 2 ** 20
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_the_same_gradients(trainer, mode):
+    """recompute_config reruns the attention core (selective) or whole layers (full) in the backward: the same
+    operations on the same inputs, so the gradients agree to the rounding of one operation."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from precision.tolerance import relative_error, tolerance
+    from telechat_moe.model import TeleChatMoE
+    from telechat_moe.trainer import ForwardBackward
+    model = TeleChatMoE(trainer.r.model)
+    ms.load_param_into_net(model, {p.name: p for p in trainer.model.get_parameters()}, strict_load=True)
+    model.set_recompute(mode)
+    weights = ms.ParameterTuple([model.parameters_dict()[p.name] for p in trainer.weights])
+    args = (*trainer._tensors(trainer.loader.batch_at(0, 3), slice(None)), Tensor(1.0, ms.float32))
+    *_, expected = trainer.forward_backward(*args)
+    *_, got = ForwardBackward(model, weights)(*args)
+    worst = max(relative_error(g.asnumpy(), e.asnumpy()) for g, e in zip(got, expected))
+    assert worst <= tolerance("float32").rtol, worst
