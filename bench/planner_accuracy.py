@@ -1,7 +1,7 @@
 """How accurate is the planner on what we can measure? Predict, then measure, training steps on this CPU.
 
 For each configuration (the tiny and small recipes, varying hidden size, sequence, experts, top-k, global batch,
-micro-batches, and data parallelism under msrun) the planner predicts the step time and memory from
+micro-batches, recompute, and data parallelism under msrun) the planner predicts the step time and memory from
 parallel/planner/clusters/cpu.yaml (run `python -m parallel.planner.calibrate` first), and a worker process
 runs the lead's Trainer.train_step and measures:
 - step time: the median of the steps after the first two (the first compiles the graphs);
@@ -9,7 +9,7 @@ runs the lead's Trainer.train_step and measures:
   and optimizer states are resident then; MindSpore's memory pool grows on the first step and is reused after),
   compared with the prediction of what a step adds: activations, gradients and the largest transient buffer.
   Graph compilation happens in the first step too, so the measurement includes its working memory.
-Recompute is not varied: the model has no recompute on CPU. This machine is shared, so timings are noisy.
+This machine is shared, so timings are noisy.
 Run: python bench/planner_accuracy.py [--steps 5] [--only NAME ...] [--png accuracy.png]
 """
 from __future__ import annotations
@@ -35,6 +35,8 @@ CONFIGS = [  # name, recipe, overrides, data-parallel processes
     ("tiny-top2", "tiny", ["model.num_experts_per_tok=2"], 1),
     ("tiny-batch16", "tiny", ["training.global_batch_size=16"], 1),
     ("tiny-micro4", "tiny", ["parallel_config.micro_batch_num=4"], 1),
+    ("tiny-recompute", "tiny", ["recompute_config.recompute=true"], 1),
+    ("tiny-selective", "tiny", ["recompute_config.select_recompute=true"], 1),
     ("small", "small", [], 1),
     ("small-seq256", "small", ["model.seq_length=256", "model.max_position_embeddings=256",
                                "model.original_max_position_embeddings=256"], 1),
@@ -119,7 +121,7 @@ def predict(recipe_name: str, overrides: list[str], dp: int) -> dict:
                  shard_optimizer=False, overlap_grad_reduce=False)
     m = r.parallel_config.micro_batch_num
     mbs = r.training.global_batch_size // (dp * m)
-    lay = Layouts.single(dp=dp, mbs=mbs, m=m)
+    lay = Layouts.single(dp=dp, mbs=mbs, m=m, recompute=r.recompute_config.mode)
     score = evaluate(w, lay)
     mem = stage_memory(w, lay, block_costs(w, lay), even_stage(w, lay, np.array([0])))
     return {"step_time": float(score["step_time"][0]),

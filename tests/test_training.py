@@ -79,7 +79,7 @@ def test_tiny_recipe_trains_200_steps_and_learns(tmp_path):
     assert summary["eval_lm_loss"] < unigram - 0.75
     steps = metrics(tmp_path)
     assert max(steps) == 200 and steps[200]["loss"] < steps[1]["loss"] - 2.0
-    for field in ("| lm_loss", "mtp_loss", "aux_loss", "grad_norm", "tok/s", "MFU", "ETA", "held-out lm_loss"):
+    for field in ("| loss", " lm_loss", "mtp_loss", "aux_loss", "grad_norm", "tok/s", "MFU", "ETA", "held-out lm_loss"):
         assert field in proc.stdout, field
     assert list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "logs" / "recipe.yaml").is_file()
