@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from parallel.planner.calibrate import gemm_flops  # noqa: E402
+
 CONFIGS = [  # name, recipe, overrides, data-parallel processes
     ("tiny", "tiny", [], 1),
     ("tiny-hidden384", "tiny", ["model.hidden_size=384"], 1),
@@ -38,8 +40,8 @@ CONFIGS = [  # name, recipe, overrides, data-parallel processes
     ("tiny-recompute", "tiny", ["recompute_config.recompute=true"], 1),
     ("tiny-selective", "tiny", ["recompute_config.select_recompute=true"], 1),
     ("small", "small", [], 1),
-    ("small-seq256", "small", ["model.seq_length=256", "model.max_position_embeddings=256",
-                               "model.original_max_position_embeddings=256"], 1),
+    ("small-seq128", "small", ["model.seq_length=128", "model.max_position_embeddings=128",
+                               "model.original_max_position_embeddings=128"], 1),
     ("small-micro2", "small", ["parallel_config.micro_batch_num=2"], 1),
     ("tiny-dp2", "tiny", ["parallel_config.data_parallel=2"], 2),
     ("small-dp2", "small", ["parallel_config.data_parallel=2"], 2),
@@ -58,9 +60,10 @@ def worker(spec: dict) -> None:
     """Runs inside one (msrun) process: build the trainer, time its steps, print one RESULT line on rank 0."""
     os.environ.setdefault("GLOG_v", "3")
     from telechat_moe.recipe import load_recipe
-    from telechat_moe.trainer import Trainer
+    from telechat_moe.trainer import Trainer, configure_mindspore
 
     recipe = load_recipe(spec["recipe"], spec["overrides"] + [f"output_dir={spec['out']}"])
+    configure_mindspore(recipe)  # graph mode, as run_train.py runs it, before the communication init
     rank, world = 0, 1
     if spec["dp"] > 1:
         from mindspore.communication import get_group_size, get_rank, init
@@ -105,8 +108,13 @@ def measure(name: str, recipe: str, overrides: list[str], dp: int, steps: int, o
     raise RuntimeError(f"{name}: no result (rc {r.returncode}): {(text + r.stderr)[-3000:]}")
 
 
-def predict(recipe_name: str, overrides: list[str], dp: int) -> dict:
-    """The planner's step time and per-step memory for the trainer's CPU run of this recipe."""
+def predict(recipe_name: str, overrides: list[str], dp: int, gemm_flops: float) -> dict:
+    """The planner's step time and per-step memory for the trainer's CPU run of this recipe. The calibrated
+    cluster is rescaled to the GEMM FLOP/s measured beside the run (this shared machine's speed drifts by tens of
+    percent between minutes); the dp processes of an msrun run share this one machine's cores and memory
+    bandwidth, so each is a device of 1/dp of it."""
+    import dataclasses
+
     import numpy as np
 
     from parallel.planner.cluster import load_cluster
@@ -115,7 +123,11 @@ def predict(recipe_name: str, overrides: list[str], dp: int) -> dict:
 
     r = load_recipe(recipe_name, overrides)
     shape = r.model.to_model_shape()
-    w = Workload(shape, load_cluster("cpu"), devices=dp, seq_length=r.model.seq_length,
+    cpu = load_cluster("cpu")
+    speed = gemm_flops / cpu.flops("fp32") / dp
+    cpu = dataclasses.replace(cpu, peak_flops={k: v * speed for k, v in cpu.peak_flops.items()},
+                              memory_bandwidth=cpu.memory_bandwidth / dp)
+    w = Workload(shape, cpu, devices=dp, seq_length=r.model.seq_length,
                  global_batch=r.training.global_batch_size,
                  precision=Precision(matmul_dtype="fp32", activation_bytes=4, param_bytes=4, grad_bytes=4),
                  shard_optimizer=False, overlap_grad_reduce=False)
@@ -170,8 +182,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="planner_accuracy_") as tmp:
         for i, (name, recipe, overrides, dp) in enumerate(configs, 1):
             print(f"[{i}/{len(configs)}] {name}: measuring ...", file=sys.stderr, flush=True)
+            before = gemm_flops()
             measured = measure(name, recipe, overrides, dp, args.steps, Path(tmp))
-            predicted = predict(recipe, overrides, dp)
+            predicted = predict(recipe, overrides, dp, (before + gemm_flops()) / 2)
             err = {k: predicted[k] / measured[k] - 1 for k in ("step_time", "step_memory")}
             rows.append({"name": name, "measured": measured, "predicted": predicted, "error": err})
             print(f"{name:16s} step: measured {measured['step_time']:7.3f} s, predicted {predicted['step_time']:7.3f} s "

@@ -3,8 +3,9 @@
 Measured: fp32 GEMM FLOP/s (numpy/OpenBLAS, large square GEMMs, best of several), attention-shaped batched GEMM
 FLOP/s (their ratio is the attention efficiency), streaming memory bandwidth (array copy), loopback TCP
 bandwidth and latency between two processes (the transport of msrun's CPU collectives on one machine), and,
-when MindSpore is importable, the per-operator launch overhead of a graph-mode kernel chain.
-Since peak and sustained rate are the same measurement here, the matmul/memory/network efficiencies are 1.
+when MindSpore is importable, the per-operator launch overhead of a graph-mode kernel chain and the FLOP/s of
+graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency. Memory and
+network efficiencies are 1: their peak and sustained rates are the same measurement here.
 """
 from __future__ import annotations
 
@@ -110,6 +111,33 @@ def mindspore_op_overhead(chain: int = 200, repeats: int = 5) -> float | None:
     return seconds / (2 * chain)
 
 
+def mindspore_gemm_flops(rows: int = 1024, k: int = 256, n: int = 768, chain: int = 16,
+                         repeats: int = 5) -> float | None:
+    """FLOP/s of MindSpore graph-mode fp32 MatMuls of a training layer's shape (tokens x hidden x FFN width)
+    on CPU, or None without MindSpore: the framework's kernels at the sizes a layer runs, which the matmul
+    efficiency (this over the large numpy GEMM) carries into the planner."""
+    try:
+        import mindspore as ms
+    except ImportError:
+        return None
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    matmul = ms.ops.MatMul()
+
+    @ms.jit
+    def chained(x, w_up, w_down):
+        for _ in range(chain // 2):
+            x = matmul(matmul(x, w_up), w_down)
+        return x
+
+    rng = np.random.default_rng(2)
+    x = ms.Tensor(rng.standard_normal((rows, k), dtype=np.float32))
+    w_up = ms.Tensor(rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k))
+    w_down = ms.Tensor(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(n))
+    seconds = _best_seconds(lambda: chained(x, w_up, w_down).asnumpy(), repeats)
+    return chain * 2 * rows * k * n / seconds
+
+
 def total_memory_bytes() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -122,7 +150,7 @@ def measure(use_mindspore: bool = True) -> dict:
     steps = [("fp32 GEMM", gemm_flops), ("attention-shaped GEMM", attention_gemm_flops),
              ("memory bandwidth", memory_bandwidth), ("loopback link", loopback_link)]
     if use_mindspore:
-        steps.append(("MindSpore op overhead", mindspore_op_overhead))
+        steps += [("MindSpore op overhead", mindspore_op_overhead), ("MindSpore layer GEMM", mindspore_gemm_flops)]
     results = {}
     for i, (label, fn) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] measuring {label} ...", file=sys.stderr, flush=True)
@@ -134,6 +162,7 @@ def cluster_document(results: dict, devices_per_node: int) -> dict:
     gemm = results["fp32 GEMM"]
     bandwidth, latency = results["loopback link"]
     overhead = results.get("MindSpore op overhead") or 0.0
+    layer_gemm = results.get("MindSpore layer GEMM") or gemm
     host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     how = f"measured by `python -m parallel.planner.calibrate` on {host}, {stamp}"
@@ -145,7 +174,7 @@ def cluster_document(results: dict, devices_per_node: int) -> dict:
                    "memory_bandwidth": float(f"{results['memory bandwidth']:.4g}")},
         "intra_node": {"bandwidth": float(f"{bandwidth:.4g}"), "latency": float(f"{latency:.3g}")},
         "inter_node": {"bandwidth": float(f"{bandwidth:.4g}"), "latency": float(f"{latency:.3g}")},
-        "efficiency": {"matmul": 1.0, "memory": 1.0, "network": 1.0,
+        "efficiency": {"matmul": round(min(1.0, layer_gemm / gemm), 3), "memory": 1.0, "network": 1.0,
                        "attention": round(min(1.0, results["attention-shaped GEMM"] / gemm), 3)},
         "flash_attention": False,
         "op_overhead": float(f"{max(overhead, 1e-9):.3g}"),
@@ -153,7 +182,9 @@ def cluster_document(results: dict, devices_per_node: int) -> dict:
         "sources": {"device": how + " (numpy fp32 GEMM n=1536; np.copyto of 256 MiB)",
                     "intra_node": how + " (TCP loopback between two processes, 256 MiB stream)",
                     "inter_node": "one machine: same as intra_node",
-                    "op_overhead": how + " (MindSpore graph-mode chain of tiny elementwise ops)"},
+                    "op_overhead": how + " (MindSpore graph-mode chain of tiny elementwise ops)",
+                    "efficiency": how + " (matmul: MindSpore graph-mode MatMuls 1024x256x768 over the numpy GEMM; "
+                                        "attention: batched 8x512x32x512 GEMMs over the numpy GEMM)"},
     }
 
 
