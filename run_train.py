@@ -4,18 +4,12 @@ Under msrun every process runs this file; the world size and rank come from Mind
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv):
+    from telechat_moe.errors import OneLineParser
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True, help="a recipe file, or its name in recipes/ (tiny, 105b, 1t ...)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")

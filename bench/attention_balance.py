@@ -26,7 +26,6 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -36,6 +35,8 @@ import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from telechat_moe.errors import OneLineParser  # noqa: E402
 
 from data_sched.attention_balance import balance_global_batch, balanced_partition, lower_bounds  # noqa: E402
 from data_sched.attention_cost import CostModel  # noqa: E402
@@ -161,7 +162,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="attention-aware balancing benchmark")
+    p = OneLineParser(description="attention-aware balancing benchmark")
     p.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512])
     p.add_argument("--batches", type=int, default=3, help="global batches per case")

@@ -17,6 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from telechat_moe.errors import OneLineParser  # noqa: E402
+
 from parallel.pipeline.placement import PlacementError, PlacementOptions, balance, equal_layer_split  # noqa: E402
 from parallel.pipeline.schedules import ScheduleError, build, validate  # noqa: E402
 from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble  # noqa: E402
@@ -42,11 +44,6 @@ def fraction(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
     return value
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def grid_table(ps, vs, ms, comm: float, p2p: float) -> list[str]:

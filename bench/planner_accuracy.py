@@ -14,7 +14,6 @@ Run: python bench/planner_accuracy.py [--steps 5] [--only NAME ...] [--png accur
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from telechat_moe.errors import OneLineParser  # noqa: E402
 
 from parallel.planner.calibrate import gemm_flops  # noqa: E402
 
@@ -166,7 +167,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--png", help="write predicted-vs-measured scatter plots")

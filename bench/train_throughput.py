@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from telechat_moe.errors import OneLineParser  # noqa: E402
+
 from parallel.planner.calibrate import gemm_flops  # noqa: E402
 from parallel.planner.model_shape import flops_per_token  # noqa: E402
 from telechat_moe.recipe import load_recipe  # noqa: E402
@@ -48,7 +50,7 @@ def measure(name: str, steps: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", nargs="+", default=["tiny", "small"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", help="also write the results here")

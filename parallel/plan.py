@@ -6,7 +6,6 @@ given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). Bad input: one line on stder
 """
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 import time
@@ -20,6 +19,7 @@ from parallel.planner.report import GIB, layout_text, plot, stage_text, table, w
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import even_assignment, score_assignment, solve_ilp
+from telechat_moe.errors import OneLineParser
 
 DTYPES = {"float32": ("fp32", 4), "bfloat16": ("bf16", 2), "float16": ("fp16", 2)}
 EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
@@ -27,12 +27,6 @@ EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", 
 
 class PlanError(ValueError):
     """Bad input to the planner; the message is the one line the user sees."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2
-        print(f"parallel.plan: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def read_recipe(path: str):
@@ -175,7 +169,7 @@ def run_search(w: Workload, space: SearchSpace, top: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="recipe file (1t.yaml finds recipes/1t.yaml)")
     parser.add_argument("--devices", type=int, help="device count (default: the recipe's layout)")
     parser.add_argument("--cluster", default="ascend910b", help="cluster name or YAML path (default ascend910b)")

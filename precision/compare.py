@@ -12,7 +12,6 @@ shape mismatches, different models, unreadable dumps), with a one-line message.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import numpy as np
 from precision.dump import DumpError, DumpRun, IndexEntry, open_run
 from precision.signatures import Diagnosis, diagnose
 from precision.tolerance import UNIT_ROUNDOFF, mean_relative_error, relative_error, tolerance
+from telechat_moe.errors import OneLineParser
 
 WALK = ("forward", "loss", "grad", "optimizer")
 
@@ -269,7 +269,7 @@ def report_json(report: CompareReport) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m precision.compare", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m precision.compare", description=__doc__.split("\n")[0])
     parser.add_argument("run_a", help="dump directory of the reference run")
     parser.add_argument("run_b", help="dump directory of the run to check")
     parser.add_argument("--rank", type=int, default=0)

@@ -14,7 +14,6 @@ The model swaps in its own Cells with `register(dataclasses.replace(REGISTRY[nam
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -25,6 +24,7 @@ import numpy as np
 
 from precision import reference_ops as ref
 from precision.tolerance import chain_tolerance, dtype_name, mean_relative_error, relative_error, round_to
+from telechat_moe.errors import OneLineParser
 
 Inputs = Mapping[str, np.ndarray]
 
@@ -324,7 +324,7 @@ _register_defaults()
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m precision.op_check", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m precision.op_check", description=__doc__.split("\n")[0])
     parser.add_argument("--ops", default="all", help=f"comma-separated, from: {','.join(REGISTRY)}")
     parser.add_argument("--dtype", nargs="+", default=["fp32", "fp16", "bf16"])
     parser.add_argument("--mode", choices=("pynative", "graph"), default="pynative")

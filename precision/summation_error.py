@@ -9,13 +9,13 @@ CPU kernels and Ascend's cube unit use, have smaller errors. So if sequential su
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from precision.tolerance import dtype_name, round_to, tolerance
+from telechat_moe.errors import OneLineParser
 
 DATA_KINDS = ("signed", "positive")
 
@@ -68,7 +68,7 @@ CASES = (("float32", "float32"), ("float16", "float32"), ("bfloat16", "float32")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m precision.summation_error", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m precision.summation_error", description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=int, nargs="+", default=[16, 256, 4096])
     parser.add_argument("--outputs", type=int, default=256)
     args = parser.parse_args(argv)

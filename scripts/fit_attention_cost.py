@@ -26,7 +26,6 @@ so at long sequences the two steps are better run as two processes. --from-measu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -41,6 +40,8 @@ import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from telechat_moe.errors import OneLineParser  # noqa: E402
 
 from data_sched.attention_cost import CostModel, fit_attention_cost, length_moments  # noqa: E402
 from data_sched.errors import DataError  # noqa: E402
@@ -241,7 +242,7 @@ def _plot_slots(ax, slots: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="fit the attention cost model from measured forward+backward times")
+    p = OneLineParser(description="fit the attention cost model from measured forward+backward times")
     p.add_argument("--recipe", default="tiny")
     p.add_argument("--set", action="append", default=[], help="recipe override key=value")
     p.add_argument("--seq", type=int, default=2048, help="longest document / sample length measured")

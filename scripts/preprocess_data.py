@@ -11,7 +11,6 @@ line on stderr, exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import sys
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from telechat_moe.errors import OneLineParser  # noqa: E402
 
 from data_sched.errors import DataError  # noqa: E402
 from data_sched.sources import load_texts  # noqa: E402
@@ -44,7 +45,7 @@ def _encode_chunk(args: tuple[list[str], bool]):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help=".jsonl ({\"text\": ...} per line) or .txt files")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     p.add_argument("--tokenizer", default="", help="a sentencepiece .model; default: train one")

@@ -9,7 +9,6 @@ network efficiencies are 1: their peak and sustained rates are the same measurem
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import multiprocessing as mp
 import os
@@ -23,6 +22,7 @@ import numpy as np
 import yaml
 
 from parallel.planner.cluster import CLUSTER_DIR, GIB
+from telechat_moe.errors import OneLineParser
 
 
 def _best_seconds(fn, repeats: int) -> float:
@@ -189,7 +189,7 @@ def cluster_document(results: dict, devices_per_node: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel.planner.calibrate", description=__doc__)
+    parser = OneLineParser(prog="python -m parallel.planner.calibrate", description=__doc__)
     parser.add_argument("--out", default=str(CLUSTER_DIR / "cpu.yaml"), help="cluster YAML to write")
     parser.add_argument("--devices-per-node", type=int, default=8,
                         help="processes that msrun places on this machine, at most (default 8)")
