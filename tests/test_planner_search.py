@@ -1,5 +1,4 @@
 """Enumeration and search: every scored layout can exist, none twice, and the full 1T space is scored fast."""
-import dataclasses
 import time
 
 import numpy as np
@@ -9,12 +8,10 @@ from parallel.layout import ParallelLayout
 from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import Workload
 from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
-from tests.test_planner_model_shape import DEEPSEEK_V3, TELECHAT3_105B
+from telechat_moe.recipe import load_recipe
+from tests.test_planner_model_shape import TELECHAT3_105B
 
-# The 1T recipe's shape (recipes/1t.yaml): 72 layers, hidden 4096, 64 heads, 512 experts top-8 at FFN 2304.
-ONE_T = dataclasses.replace(DEEPSEEK_V3, hidden_size=4096, num_layers=72, first_k_dense=1, num_heads=64,
-                            dense_intermediate=12288, num_routed_experts=512, moe_intermediate=2304,
-                            shared_intermediate=2304, vocab_size=131072, seq_length=8192)
+ONE_T = load_recipe("1t").model.to_model_shape()
 
 
 def test_divisors():
