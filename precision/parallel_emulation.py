@@ -21,6 +21,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from telechat_moe.moe.dispatch import stable_order
+
 
 def swap_cell(root: nn.Cell, path: str, new_cell: nn.Cell) -> nn.Cell:
     """Replace the sub-Cell at dotted `path` of `root` by `new_cell`, keeping every parameter's name (MindSpore
@@ -118,13 +120,9 @@ class ExpertParallelDispatcher(nn.Cell):
         self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
 
     def dispatch(self, x, indices):
-        t = x.shape[0]
-        n = t * self.top_k
         flat_expert = indices.reshape(-1)
-        slot = ops.arange(0, n, dtype=ms.int32)
-        send = ops.sort(flat_expert // self.per_rank * n + slot)[1]
-        received_expert = ops.gather(flat_expert, send, 0)
-        receive = ops.sort(received_expert * n + ops.arange(0, n, dtype=ms.int32))[1]
+        send = stable_order(flat_expert // self.per_rank)
+        receive = stable_order(ops.gather(flat_expert, send, 0))
         order = ops.gather(send, receive, 0)
         tokens = ops.gather(x, order // self.top_k, 0)
         group_sizes = ops.one_hot(flat_expert, self.num_experts, self.on_value, self.off_value).sum(0)

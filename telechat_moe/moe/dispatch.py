@@ -12,6 +12,13 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 
+def stable_order(keys):
+    """Indices that sort the int32 `keys` [n] stably. Each key is made unique as key * n + position, so the order is
+    a pure function of the keys (ties keep their position) on every backend, whatever its sort."""
+    n = keys.shape[0]
+    return ops.sort(keys * n + ops.arange(0, n, dtype=ms.int32))[1]
+
+
 class LocalDispatcher(nn.Cell):
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
@@ -20,13 +27,9 @@ class LocalDispatcher(nn.Cell):
 
     def dispatch(self, x, indices):
         """x [T, h], indices [T, k] -> (tokens [T*k, h] sorted by expert, group_sizes [E] int32, state)."""
-        t = x.shape[0]
-        n = t * self.top_k
         flat_expert = indices.reshape(-1)
-        # Unique keys make the order a pure function of the routing: stable and deterministic.
-        slot = ops.arange(0, n, dtype=ms.int32)
-        order = ops.sort(flat_expert * n + slot)[1]
-        token_of_sorted = ops.gather(slot // self.top_k, order, 0)
+        order = stable_order(flat_expert)
+        token_of_sorted = order // self.top_k
         tokens = ops.gather(x, token_of_sorted, 0)
         group_sizes = ops.one_hot(flat_expert, self.num_experts, self.on_value, self.off_value).sum(0)
         return tokens, ops.stop_gradient(group_sizes).astype(ms.int32), (order, token_of_sorted)
