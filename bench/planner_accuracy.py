@@ -109,7 +109,7 @@ def measure(name: str, recipe: str, overrides: list[str], dp: int, steps: int, o
     raise RuntimeError(f"{name}: no result (rc {r.returncode}): {(text + r.stderr)[-3000:]}")
 
 
-def predict(recipe_name: str, overrides: list[str], dp: int, gemm_flops: float) -> dict:
+def predict(recipe_name: str, overrides: list[str], dp: int, gemm_rate: float) -> dict:
     """The planner's step time and per-step memory for the trainer's CPU run of this recipe. The calibrated
     cluster is rescaled to the GEMM FLOP/s measured beside the run (this shared machine's speed drifts by tens of
     percent between minutes); the dp processes of an msrun run share this one machine's cores and memory
@@ -125,7 +125,7 @@ def predict(recipe_name: str, overrides: list[str], dp: int, gemm_flops: float) 
     r = load_recipe(recipe_name, overrides)
     shape = r.model.to_model_shape()
     cpu = load_cluster("cpu")
-    speed = gemm_flops / cpu.flops("fp32") / dp
+    speed = gemm_rate / cpu.flops("fp32") / dp
     cpu = dataclasses.replace(cpu, peak_flops={k: v * speed for k, v in cpu.peak_flops.items()},
                               memory_bandwidth=cpu.memory_bandwidth / dp)
     w = Workload(shape, cpu, devices=dp, seq_length=r.model.seq_length,

@@ -21,7 +21,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from telechat_moe.moe.dispatch import stable_order
+from telechat_moe.moe.dispatch import expert_group_sizes, stable_order
 
 
 def swap_cell(root: nn.Cell, path: str, new_cell: nn.Cell) -> nn.Cell:
@@ -117,7 +117,6 @@ class ExpertParallelDispatcher(nn.Cell):
             raise ValueError(f"ep: {ep} does not divide the {num_experts} experts")
         self.num_experts, self.top_k, self.ep = num_experts, top_k, ep
         self.per_rank = num_experts // ep
-        self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
 
     def dispatch(self, x, indices):
         flat_expert = indices.reshape(-1)
@@ -125,8 +124,7 @@ class ExpertParallelDispatcher(nn.Cell):
         receive = stable_order(ops.gather(flat_expert, send, 0))
         order = ops.gather(send, receive, 0)
         tokens = ops.gather(x, order // self.top_k, 0)
-        group_sizes = ops.one_hot(flat_expert, self.num_experts, self.on_value, self.off_value).sum(0)
-        return tokens, ops.stop_gradient(group_sizes).astype(ms.int32), order
+        return tokens, expert_group_sizes(flat_expert, self.num_experts), order
 
     def weights_in_dispatch_order(self, weights, order):
         """The routing weight of each dispatched row: the weights are permuted exactly as the tokens were."""

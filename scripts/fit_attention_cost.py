@@ -192,7 +192,7 @@ def measure_slots(stepper: Stepper, doc_lens, dp: int, mb: int, cost: CostModel,
                      "noise": noise(list(slot_runs))}
         print(f"  {mode:8s} max/mean predicted {out[mode]['predicted_max_over_mean']:.3f} | measured: of the "
               f"medians {out[mode]['measured_max_over_mean']:.3f}, per round {per_round.mean():.3f} "
-              f"+- {per_round.std(ddof=1) / np.sqrt(len(per_round)) if len(per_round) > 1 else 0:.3f} | max (s) "
+              f"+- {standard_error(per_round):.3f} | max (s) "
               f"predicted {predicted.max():.2f} measured {measured.max():.2f} | run-to-run noise "
               f"{out[mode]['noise']:.0%}", flush=True)
     return out
@@ -227,12 +227,16 @@ def plot(path: Path, lens, times, cost: CostModel, singles: int, slots: dict | N
     fig.savefig(path, dpi=120)
 
 
+def standard_error(values: np.ndarray) -> float:
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
 def _plot_slots(ax, slots: dict) -> None:
     modes = list(slots)
     x = np.arange(len(modes))
     rounds = [np.array(slots[m]["per_round_max_over_mean"]) for m in modes]
     ax.bar(x - 0.2, [r.mean() for r in rounds], 0.4, label="measured (mean over rounds)",
-           yerr=[r.std(ddof=1) / np.sqrt(len(r)) if len(r) > 1 else 0.0 for r in rounds], capsize=3)
+           yerr=[standard_error(r) for r in rounds], capsize=3)
     ax.bar(x + 0.2, [slots[m]["predicted_max_over_mean"] for m in modes], 0.4, label="predicted")
     ax.set_xticks(x, modes)
     ax.set_ylabel("max / mean slot time (error bar: standard error)")

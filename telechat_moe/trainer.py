@@ -236,7 +236,8 @@ class Trainer:
         self.sum_over_ranks = SumOverRanks() if p.data_parallel > 1 else None
         self.evaluate = Evaluate(self.model)
         self.biases = expert_biases(self.model)
-        self.move_biases = MoveExpertBiases(self.biases) if self.biases else None
+        self.move_biases = (MoveExpertBiases(self.biases)
+                            if self.biases and recipe.model.moe_router_enable_expert_bias else None)
         self.scaler = LossScaler.from_recipe(recipe)
         self.micro = p.micro_batch_num
         d = recipe.data
@@ -373,7 +374,7 @@ class Trainer:
         self.scaler.update(finite)
         if self.sum_over_ranks is not None:
             loads = self.sum_over_ranks(Tensor(loads)).asnumpy()
-        if self.r.model.moe_router_enable_expert_bias:
+        if self.move_biases is not None:
             delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)
             self.move_biases(tuple(Tensor(d, b.dtype) for b, d in zip(self.biases, delta)))
         total, lm, mtp, aux, z = sums / self.micro

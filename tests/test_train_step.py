@@ -105,7 +105,7 @@ def test_each_step_applies_adamw_at_the_scheduled_learning_rate(trainer):
     from mindspore import Tensor
     from precision.tolerance import relative_error, tolerance
     o, opt = trainer.r.optimizer, trainer.optimizer
-    (b1, b2), names = o.betas, [p.name for p in trainer.weights]
+    b1, b2 = o.betas
     for step in range(3):
         trainer.step = step
         lr = trainer.learning_rate(step)

@@ -7,9 +7,8 @@ expert_parallel=1); expert-parallel dispatchers (All-to-All, hierarchical) plug 
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import nn, ops
 
 
 def stable_order(keys):
@@ -19,11 +18,16 @@ def stable_order(keys):
     return ops.sort(keys * n + ops.arange(0, n, dtype=ms.int32))[1]
 
 
+def expert_group_sizes(flat_expert, num_experts: int):
+    """int32 [E]: how many of the dispatched rows go to each expert (constant under the gradient)."""
+    sizes = ops.one_hot(flat_expert, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(0)
+    return ops.stop_gradient(sizes).astype(ms.int32)
+
+
 class LocalDispatcher(nn.Cell):
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
 
     def dispatch(self, x, indices):
         """x [T, h], indices [T, k] -> (tokens [T*k, h] sorted by expert, group_sizes [E] int32, state)."""
@@ -31,8 +35,7 @@ class LocalDispatcher(nn.Cell):
         order = stable_order(flat_expert)
         token_of_sorted = order // self.top_k
         tokens = ops.gather(x, token_of_sorted, 0)
-        group_sizes = ops.one_hot(flat_expert, self.num_experts, self.on_value, self.off_value).sum(0)
-        return tokens, ops.stop_gradient(group_sizes).astype(ms.int32), (order, token_of_sorted)
+        return tokens, expert_group_sizes(flat_expert, self.num_experts), (order, token_of_sorted)
 
     def combine(self, expert_out, weights, state):
         """expert_out [T*k, h] in dispatch order, weights [T, k] -> [T, h]."""
