@@ -15,8 +15,8 @@ micro-batch is mbs consecutive rows of it. Modes:
            (input, label) token pair is kept exactly once; pieces are cut only where a sample's share of short or
            long pieces ends (at most two cuts per re-packed sample) or, rarely, where a long piece fits no sample.
 
-The output lists the pieces (source sample, start, length) of every output sample; each is one document piece,
-so the output document lengths are the piece lengths. NumPy and deterministic; the seed only decides which
+The output gives the pieces (source sample, start, length) of every output sample, gathered on demand for the
+samples a rank takes; each is one document piece, so the output document lengths are the piece lengths. NumPy and deterministic; the seed only decides which
 balanced group lands on which rank and micro-batch, so no rank is systematically the hot one.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ REFINE_TOLERANCE = 5e-3
 BIG_PER_SLOT = 8
 # Repack rebuilds the slots above the mean cost by more than this (and as many cold slots): a looser aim than
 # REFINE_TOLERANCE, as each rebuilt slot costs time.
-REPACK_TOLERANCE = 1e-2
+REPACK_TOLERANCE = 1.5e-2
 
 
 @dataclass(frozen=True)
@@ -46,42 +46,49 @@ class BatchAssignment:
     micro_batch_num: int
     micro_batch_size: int
     seq_length: int
-    piece_sample: np.ndarray    # int64 [P]: output piece i is tokens piece_start[i] : piece_start[i] +
-    piece_start: np.ndarray     #   piece_length[i] of source sample piece_sample[i] (one document piece)
-    piece_length: np.ndarray
-    sample_offsets: np.ndarray  # int64 [G+1]: output sample j holds pieces sample_offsets[j]:sample_offsets[j+1]
+    # The pieces are kept as ranges of a table, gathered only for the samples asked for: each rank needs its own
+    # share, and gathering the whole batch would take as long as planning it.
+    table: tuple[np.ndarray, np.ndarray]  # int64 [T] each: (position in the batch's samples laid end to end,
+                                          #   length) of a piece; its sample is position // seq_length
+    firsts: np.ndarray   # int64 [G, r]: output sample j holds the table's pieces firsts[j, i] : firsts[j, i] +
+    counts: np.ndarray   #   counts[j, i] for i = 0..r-1, in that order (each one document piece)
     slot_costs_before: np.ndarray  # float64 [dp*mb]; slot s = (rank s // mb, micro-batch s % mb)
     slot_costs_after: np.ndarray
 
     @property
     def num_samples(self) -> int:
-        return len(self.sample_offsets) - 1
+        return len(self.firsts)
+
+    def pieces(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source sample, start position, length) of every piece of output samples start..stop, in order."""
+        idx = _segment_positions(self.firsts[start:stop].reshape(-1), self.counts[start:stop].reshape(-1))
+        pos = self.table[0][idx]
+        sample = pos // self.seq_length
+        return sample, pos - sample * self.seq_length, self.table[1][idx]
 
     @property
     def segments(self) -> np.ndarray:
         """int64 [P, 3]: (source sample, start position, length) of every output piece, in output order."""
-        return np.stack([self.piece_sample, self.piece_start, self.piece_length], axis=1)
+        return np.stack(self.pieces(), axis=1)
 
     def doc_lens(self, j: int) -> np.ndarray:
-        return self.piece_length[self.sample_offsets[j]:self.sample_offsets[j + 1]]
+        return self.pieces(j, j + 1)[2]
 
     def source_order(self) -> np.ndarray:
         """off/reorder: the source sample of each output sample."""
         if self.mode == "repack":
             raise ValueError("a repacked batch mixes samples; it has no sample order")
-        return self.piece_sample[self.sample_offsets[:-1]]
+        return self.table[0][self.firsts[:, 0]] // self.seq_length
 
     def rank_costs(self, slot_costs: np.ndarray) -> np.ndarray:
         return slot_costs.reshape(self.dp, self.micro_batch_num).sum(axis=1)
 
     def apply(self, tokens: np.ndarray, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, labels) [stop-start, seq_length] of output samples start..stop from source tokens [G, seq+1]."""
-        stop = self.num_samples if stop is None else stop
-        part = slice(self.sample_offsets[start], self.sample_offsets[stop])
-        flat = _segment_positions(self.piece_sample[part] * tokens.shape[1] + self.piece_start[part],
-                                  self.piece_length[part])
+        sample, begin, length = self.pieces(start, stop)
+        flat = _segment_positions(sample * tokens.shape[1] + begin, length)
         src = tokens.reshape(-1)
-        shape = (stop - start, self.seq_length)
+        shape = (len(self.firsts[start:stop]), self.seq_length)
         return src[flat].reshape(shape), src[flat + 1].reshape(shape)
 
 
@@ -191,23 +198,26 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Source:
-    """The document pieces of the global batch's samples, concatenated: piece i is tokens start[i]:start[i] +
-    length[i] of sample sample[i]; sample j holds pieces offsets[j]:offsets[j+1] and costs sq[j] = sum(l^2)."""
-    sample: np.ndarray
-    start: np.ndarray
+    """The document pieces of the global batch's samples, concatenated: piece i is tokens pos[i]:pos[i] + length[i]
+    of the samples laid end to end; sample j holds pieces offsets[j]:offsets[j+1] and costs sq[j] = sum(l^2)."""
+    pos: np.ndarray
     length: np.ndarray
     offsets: np.ndarray
     sq: np.ndarray
 
     @classmethod
-    def of(cls, samples_doc_lens: Sequence[np.ndarray]) -> "_Source":
+    def of(cls, samples_doc_lens: Sequence[np.ndarray], seq: int) -> "_Source":
         counts = np.fromiter(map(len, samples_doc_lens), dtype=np.int64, count=len(samples_doc_lens))
         length = np.concatenate(samples_doc_lens).astype(np.int64, copy=False)
         offsets = _offsets(counts)
-        start = np.cumsum(length) - length
-        start -= np.repeat(start[offsets[:-1]], counts)
+        ends = np.cumsum(length)
+        sample_ends = ends[offsets[1:] - 1]
+        if counts.min() < 1 or not np.array_equal(sample_ends, np.arange(1, len(counts) + 1) * seq):
+            bad = int(np.argmax((counts < 1) | (np.diff(np.concatenate([[0], sample_ends])) != seq)))
+            raise ValueError(f"sample {bad} of the global batch holds {int(np.sum(samples_doc_lens[bad]))} tokens, "
+                             f"expected {seq} like the first: samples must be fully packed")
         sq = np.add.reduceat(np.square(length, dtype=np.float64), offsets[:-1])
-        return cls(np.repeat(np.arange(len(counts)), counts), start, length, offsets, sq)
+        return cls(ends - length, length, offsets, sq)
 
     def pieces_of(self, samples: np.ndarray) -> np.ndarray:
         """Indices of the pieces of `samples`, sample by sample."""
@@ -247,9 +257,13 @@ def _split(length: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray
     same = np.append(piece[1:] == piece[:-1], False)
     nxt = np.where(same, np.append(inside[1:], 0), ends[piece])
     begin = ends[piece] - length[piece]
-    part_piece = np.insert(np.arange(n), piece + 1, piece)
-    part_offset = np.insert(np.zeros(n, dtype=np.int64), piece + 1, inside - begin)
-    part_length = np.insert(length, piece + 1, nxt - inside)
+    cut_into = 1 + np.bincount(piece, minlength=n)
+    part_piece = np.repeat(np.arange(n), cut_into)
+    part_length = np.repeat(length, cut_into)
+    after = piece + 1 + np.arange(len(piece))                       # where each cut's new part lands
+    part_length[after] = nxt - inside
+    part_offset = np.zeros(len(part_piece), dtype=np.int64)
+    part_offset[after] = inside - begin
     first = np.flatnonzero(np.concatenate([[True], ~same[:-1]])) if len(piece) else piece
     part_length[piece[first] + first] = inside[first] - begin[first]
     # The chunk after cut c starts at the first part beginning at or after c.
@@ -467,12 +481,6 @@ def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fix
     return streams, pool_slots, sample_sq
 
 
-def _gather(columns: list[np.ndarray], firsts: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """The ranges firsts[i]:firsts[i]+counts[i] of each column, concatenated."""
-    idx = _segment_positions(firsts, counts)
-    return [c[idx] for c in columns]
-
-
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: int, micro_batch_num: int,
                          cost_model: CostModel, seed: int) -> BatchAssignment:
     """Assign the G samples of one global batch (given by their document lengths) to (rank, micro-batch) slots.
@@ -488,7 +496,7 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
                          f"micro_batch_num={micro_batch_num} equal micro-batches")
     mbs = g // slots
     seq = int(np.sum(samples_doc_lens[0]))
-    src = _Source.of(samples_doc_lens)
+    src = _Source.of(samples_doc_lens, seq)
     fixed = cost_model.b * seq + cost_model.c
     before = (cost_model.a * src.sq + fixed).reshape(slots, mbs).sum(axis=1)
     order = np.arange(g)
@@ -504,11 +512,11 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
         rng = np.random.default_rng([seed, 0xBA1])
         slot_order = rng.permuted(rank_slots[rng.permutation(dp)], axis=1).reshape(-1)
     out_samples = (slot_order[:, None] * mbs + np.arange(mbs)).reshape(-1)    # output sample -> layout sample
-    columns = [src.sample, src.start, src.length]
+    columns = [src.pos, src.length]
     firsts = src.offsets[order][:, None]
     counts = np.diff(src.offsets)[order][:, None]
     if repacked is not None:
-        # Source pieces, then each stream's parts as (sample, start, length); a re-packed sample takes its
+        # Source pieces, then each stream's parts as (position, length); a re-packed sample takes its
         # ranges from the streams instead of the source.
         streams, pool_slots, _ = repacked
         base = len(src.length)
@@ -520,13 +528,12 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray], mode: str, dp: 
         for k, s in enumerate(streams):
             firsts[pool_samples, k + 1] = base + s.first
             counts[pool_samples, k + 1] = s.count
-            parts.append([src.sample[s.piece], src.start[s.piece] + s.offset, s.length])
+            parts.append([src.pos[s.piece] + s.offset, s.length])
             base += len(s.length)
         columns = [np.concatenate(c) for c in zip(*parts)]
-    pieces = _gather(columns, firsts[out_samples].reshape(-1), counts[out_samples].reshape(-1))
-    offsets = _offsets(counts[out_samples].sum(axis=1))
     after = (cost_model.a * sample_sq[out_samples] + fixed).reshape(slots, mbs).sum(axis=1)
-    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, *pieces, offsets, before, after)
+    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, tuple(columns), firsts[out_samples],
+                           counts[out_samples], before, after)
 
 
 def _fill(ascending: np.ndarray, room: np.ndarray) -> np.ndarray:

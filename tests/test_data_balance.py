@@ -130,6 +130,9 @@ def test_off_keeps_the_order_and_balancing_lowers_the_worst_slot():
         balance_global_batch(doc_lens, "sorted", 8, 4, COST, 0)
     with pytest.raises(ValueError, match="micro_batch_num=5"):
         balance_global_batch(doc_lens, "reorder", 8, 5, COST, 0)
+    short = doc_lens[:37] + [doc_lens[37][:-1]] + doc_lens[38:]
+    with pytest.raises(ValueError, match="sample 37 of the global batch holds .* expected 1024"):
+        balance_global_batch(short, "repack", 8, 4, COST, 0)
 
 
 def test_seed_only_moves_groups_between_ranks():
