@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_sched.attention_balance import MODES, balance_global_batch
+from data_sched.attention_balance import MODES, DocLengths, balance_global_batch
 from data_sched.attention_cost import CostModel
 from data_sched.errors import DataError
 from data_sched.packing import PackedSamples, doc_lens_to_segment_ids
@@ -90,7 +90,8 @@ class BatchLoader:
         if self.attention_balance == "off":
             return None
         rows = self.global_batch_indices(epoch, index)
-        return balance_global_batch([self.samples.sample_doc_lens(i) for i in rows], self.attention_balance,
+        batch = DocLengths.take(self.samples.doc_lens, self.samples.doc_offsets, rows)
+        return balance_global_batch(batch, self.attention_balance,
                                     self.dp_size, self.micro_batch_num, self.cost_model,
                                     seed=int(np.random.default_rng([self.seed, epoch, index]).integers(2**31)))
 
