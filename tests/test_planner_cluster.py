@@ -36,6 +36,10 @@ def _write(tmp_path, mutate):
     (lambda d: d.update(flash_attention="yes"), "flash_attention"),
     (lambda d: d["device"].update(peak_flops={}), "device.peak_flops"),
     (lambda d: d.update(devices_per_node="eight"), "devices_per_node"),
+    (lambda d: d.update(runtime={"compute_scale": 0}), "compute_scale"),
+    (lambda d: d.update(runtime={"keeps_op_outputs": "yes"}), "keeps_op_outputs"),
+    (lambda d: d.update(runtime={"graph_memory": -1.0}), "graph_memory"),
+    (lambda d: d.update(runtime={"kernel_overhead": 1.0}), "runtime.kernel_overhead"),
 ])
 def test_bad_cluster_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -47,3 +51,10 @@ def test_bad_cluster_file_names_the_field(tmp_path, mutate, field):
 def test_unknown_cluster_lists_the_known_ones():
     with pytest.raises(ClusterError, match="available: ascend910b, cpu, h100, h800"):
         load_cluster("tpu9000")
+
+
+def test_runtime_section_defaults_to_an_accelerator_runtime():
+    assert load_cluster("h100").runtime.compute_scale == 1.0
+    assert not load_cluster("ascend910b").runtime.keeps_op_outputs
+    cpu = load_cluster("cpu").runtime  # fitted by the calibration on real training steps
+    assert cpu.keeps_op_outputs and cpu.activation_outputs > 1 and cpu.micro_batch_overhead > 0

@@ -111,3 +111,37 @@ def test_tensor_and_expert_parallelism_shrink_weights():
     tp = evaluate(W, Layouts.single(tp=4, pp=4, dp=16, ep=8, m=8))["memory"][0]
     ep = evaluate(W, Layouts.single(tp=1, pp=4, dp=64, ep=64, m=8))["memory"][0]
     assert tp < one and ep < one
+
+
+def _with_runtime(**runtime) -> Workload:
+    c = load_cluster("ascend910b")
+    return dataclasses.replace(W, cluster=dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, **runtime)))
+
+
+def test_runtime_scales_compute_and_adds_a_cost_per_micro_batch():
+    lay = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=4, mbs=1)
+    base = evaluate(W, lay)["step_time"][0]
+    assert evaluate(_with_runtime(micro_batch_overhead=0.01), lay)["step_time"][0] == pytest.approx(base + 4 * 0.01)
+    assert evaluate(_with_runtime(compute_scale=0.5), lay)["step_time"][0] < base
+    # the grouped expert kernel alone: more expensive, but less than everything twice as expensive
+    slower_experts = evaluate(_with_runtime(expert_compute_scale=2.0), lay)["step_time"][0]
+    assert base < slower_experts < evaluate(_with_runtime(compute_scale=2.0, expert_compute_scale=2.0), lay)[
+        "step_time"][0]
+
+
+def test_a_runtime_that_keeps_every_output_holds_each_graphs_activations():
+    """keeps_op_outputs at unit constants: the activations and transient of recompute `none`, once per compiled
+    graph (two when gradients accumulate, which also hold an accumulation buffer); recompute holds more."""
+    keep = _with_runtime(keeps_op_outputs=True, activation_outputs=1.0, recompute_outputs=1.0, weight_outputs=1.0)
+    for m in (1, 2):
+        lay = Layouts.single(tp=2, pp=1, dp=8, ep=8, m=m, mbs=1)
+        st = even_stage(W, lay, np.array([0]))
+        plain = stage_memory(W, lay, block_costs(W, lay), st)
+        held = stage_memory(keep, lay, block_costs(keep, lay), st)
+        assert held["activations"][0] == pytest.approx(m * (plain["activations"][0] + plain["transient"][0]))
+        assert held["grads"][0] == pytest.approx(m * plain["grads"][0])
+        assert held["transient"][0] == 0.0
+        one_graph = held["activations"][0] if m == 1 else one_graph
+    lay = Layouts.single(tp=2, pp=1, dp=8, ep=8, m=1, mbs=1, recompute="full")
+    full = stage_memory(keep, lay, block_costs(keep, lay), even_stage(W, lay, np.array([0])))
+    assert full["activations"][0] > 1.5 * one_graph  # the recomputed forward's outputs come on top

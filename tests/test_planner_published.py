@@ -36,3 +36,25 @@ def test_calibration_rejects_a_missing_folder(tmp_path):
     r = subprocess.run([sys.executable, "-m", "parallel.planner.calibrate", "--out", str(tmp_path / "no" / "x.yaml")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
+
+
+def test_runtime_fit_recovers_known_constants():
+    """Probe 'measurements' made by the planner with known runtime constants are fitted back to those constants
+    (the fit evaluates the planner at unit constants, so the two share one formula)."""
+    import dataclasses
+
+    from parallel.planner.calibrate import PROBES, fit_runtime
+    from parallel.planner.cluster import Runtime
+    from parallel.planner.probe import predict_step
+
+    cpu = load_cluster("cpu")
+    truth = Runtime(compute_scale=0.8, expert_compute_scale=3.0, micro_batch_overhead=0.05, keeps_op_outputs=True,
+                    activation_outputs=7.0, recompute_outputs=2.0, weight_outputs=4.0, graph_memory=3e8)
+    made = dataclasses.replace(cpu, runtime=truth)
+    rate = 0.9 * cpu.flops("fp32")
+    measured = [{"name": name, "overrides": o, "gemm_flops": rate, **predict_step("tiny", o, 1, rate, made)}
+                for name, o in PROBES]
+    fitted, report = fit_runtime(cpu, measured)
+    for f in dataclasses.fields(Runtime):
+        assert getattr(fitted, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-6), f.name
+    assert all(r["predicted"]["step_time"] == pytest.approx(r["step_time"]) for r in report)

@@ -6,22 +6,30 @@ bandwidth and latency between two processes (the transport of msrun's CPU collec
 when MindSpore is importable, the per-operator launch overhead of a graph-mode kernel chain and the FLOP/s of
 graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency. Memory and
 network efficiencies are 1: their peak and sustained rates are the same measurement here.
+
+Then the runtime (cluster.Runtime): real training steps of five small probe recipes (two-layer variants of
+tiny.yaml, none of them a configuration bench/planner_accuracy.py checks) are measured with `probe.measure_steps`,
+and the runtime constants are fitted to them by non-negative least squares. The planner is linear in each group of
+constants (time: compute scale and two overheads; memory: four), so their coefficients come from evaluating it at
+unit constants: the fit and the planner share one formula.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
 import platform
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from parallel.planner.cluster import CLUSTER_DIR, GIB
+from parallel.planner.cluster import CLUSTER_DIR, GIB, Runtime, cluster_from_dict
 from telechat_moe.errors import OneLineParser
 
 
@@ -138,6 +146,76 @@ def mindspore_gemm_flops(rows: int = 1024, k: int = 256, n: int = 768, chain: in
     return chain * 2 * rows * k * n / seconds
 
 
+# Two-layer variants of tiny.yaml (1 dense and 1 MoE layer, MTP 1): each varies what one runtime constant scales.
+_TWO_LAYERS = ["model.num_hidden_layers=2", "model.n_routed_experts=8"]
+_SEQ = lambda n: [f"model.seq_length={n}", f"model.max_position_embeddings={n}",  # noqa: E731
+                  f"model.original_max_position_embeddings={n}"]
+PROBES = [("base", _TWO_LAYERS),
+          ("experts24-top8", _TWO_LAYERS + ["model.n_routed_experts=24", "model.num_experts_per_tok=8"]),
+          ("seq384", _TWO_LAYERS + _SEQ(384)),
+          ("micro2", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),
+          ("recompute", _TWO_LAYERS + ["recompute_config.recompute=true"])]
+_TIME = ("compute_scale", "expert_compute_scale", "micro_batch_overhead")
+_MEMORY = ("activation_outputs", "recompute_outputs", "weight_outputs", "graph_memory")
+
+
+def _coefficients(cluster, recipe: str, overrides: list[str], rate: float, key: str, names: tuple,
+                  base: Runtime) -> tuple[float, list[float]]:
+    """(offset, coefficient per constant) of the planner's `key` as a linear function of the runtime constants
+    `names` (the others as in `base`)."""
+    from parallel.planner.probe import predict_step
+
+    def at(**values):
+        rt = dataclasses.replace(base, **{**{n: 0.0 for n in names if n != "compute_scale"}, **values})
+        return predict_step(recipe, overrides, 1, rate, dataclasses.replace(cluster, runtime=rt))[key]
+
+    zero = at(compute_scale=1.0) if "compute_scale" in names else at()
+    coef = [(at(compute_scale=2.0) - zero) if n == "compute_scale" else at(**{n: 1.0}) - zero for n in names]
+    offset = zero - coef[0] if "compute_scale" in names else zero
+    return offset, coef
+
+
+def fit_runtime(cluster, measured: list[dict], recipe: str = "tiny") -> tuple[Runtime, list[dict]]:
+    """Runtime constants fitted to measured probe steps (dicts with name, overrides, step_time, gemm_flops,
+    step_memory); also the fit's prediction per probe."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from parallel.planner.probe import predict_step
+
+    fitted = {}
+    for key, names, base in (("step_time", _TIME, Runtime()), ("step_memory", _MEMORY, Runtime(keeps_op_outputs=True))):
+        rows = [_coefficients(cluster, recipe, m["overrides"], m["gemm_flops"], key, names, base) for m in measured]
+        a = np.array([c for _, c in rows])
+        b = np.array([m[key] - off for m, (off, _) in zip(measured, rows)])
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of very different units
+        x, _ = nnls(a / scale / np.array([m[key] for m in measured])[:, None],
+                    b / np.array([m[key] for m in measured]))   # relative errors: probes of different sizes
+        fitted.update(zip(names, (x / scale).tolist()))
+    fitted["compute_scale"] = max(fitted["compute_scale"], 1e-3)
+    runtime = Runtime(keeps_op_outputs=True, **fitted)
+    checked = dataclasses.replace(cluster, runtime=runtime)
+    report = [{"name": m["name"], **{k: m[k] for k in ("step_time", "step_memory")},
+               "predicted": predict_step(recipe, m["overrides"], 1, m["gemm_flops"], checked)} for m in measured]
+    return runtime, report
+
+
+def measure_runtime(cluster_doc: dict, steps: int = 7) -> tuple[dict, list[dict]]:
+    """Measure the probes and fit the runtime section of `cluster_doc` (which has the machine's rates)."""
+    from parallel.planner.probe import measure_steps
+
+    measured = []
+    with tempfile.TemporaryDirectory(prefix="calibrate_") as tmp:
+        for i, (name, overrides) in enumerate(PROBES, 1):
+            print(f"  probe {i}/{len(PROBES)}: {name} ...", file=sys.stderr, flush=True)
+            measured.append({"name": name, "overrides": overrides,
+                             **measure_steps("tiny", overrides, 1, steps, Path(tmp), name)})
+    runtime, report = fit_runtime(cluster_from_dict(cluster_doc, "calibration"), measured)
+    section = {f.name: getattr(runtime, f.name) for f in dataclasses.fields(Runtime)}
+    section = {k: (v if isinstance(v, bool) else float(f"{v:.4g}")) for k, v in section.items()}
+    return section, report
+
+
 def total_memory_bytes() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -193,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(CLUSTER_DIR / "cpu.yaml"), help="cluster YAML to write")
     parser.add_argument("--devices-per-node", type=int, default=8,
                         help="processes that msrun places on this machine, at most (default 8)")
-    parser.add_argument("--no-mindspore", action="store_true", help="skip the MindSpore op-overhead measurement")
+    parser.add_argument("--no-mindspore", action="store_true",
+                        help="skip what needs MindSpore: the op overhead, layer GEMMs and the training runtime")
     args = parser.parse_args(argv)
     if args.devices_per_node < 1:
         print("calibrate: --devices-per-node: expected a positive integer", file=sys.stderr)
@@ -203,6 +282,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate: --out: folder {out.parent} does not exist", file=sys.stderr)
         return 2
     doc = cluster_document(measure(not args.no_mindspore), args.devices_per_node)
+    if not args.no_mindspore:
+        print("measuring the training runtime on probe recipes ...", file=sys.stderr, flush=True)
+        doc["runtime"], report = measure_runtime(doc)
+        doc["sources"]["runtime"] = (doc["sources"]["device"].split(" (")[0] + " (fitted to training steps of "
+                                     + ", ".join(name for name, _ in PROBES) + ": two-layer variants of tiny.yaml)")
+        for r in report:
+            print(f"  {r['name']:10s} step {r['step_time']:.3f} s, fit {r['predicted']['step_time']:.3f} s; "
+                  f"memory {r['step_memory'] / 2**20:.0f} MiB, fit {r['predicted']['step_memory'] / 2**20:.0f} MiB",
+                  file=sys.stderr)
     out.write_text("# Written by `python -m parallel.planner.calibrate`; rerun it to re-measure.\n"
                    + yaml.safe_dump(doc, sort_keys=False))
     print(f"wrote {out}: fp32 {doc['device']['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "

@@ -1,7 +1,7 @@
 """Cluster descriptions: one YAML per machine type in parallel/planner/clusters/, each figure with its source."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -12,6 +12,31 @@ GIB = 2 ** 30
 
 class ClusterError(ValueError):
     """A cluster file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How a machine's training runtime departs from the analytic model, fitted on real training steps by
+    `parallel.planner.calibrate` (the `runtime:` section of a cluster file; absent: an accelerator runtime that
+    sinks its graph, hides launches and reuses activation memory, i.e. these defaults).
+
+    Step time = compute_scale x the modelled compute, but expert_compute_scale x the modelled time of the routed
+    experts' grouped kernel (its own implementation: on CPU a host kernel over per-expert GEMMs), plus
+    micro_batch_overhead per micro-batch and stage (a graph launch with its host synchronisation). With keeps_op_outputs the runtime holds every
+    operator output of a compiled graph until the step ends (MindSpore on CPU): a step holds activation_outputs
+    bytes per byte of the activations a micro-batch keeps without recompute (plus its largest transient),
+    recompute_outputs bytes per byte of recomputed activations (recompute adds outputs instead of freeing
+    them), once per compiled graph (a step that accumulates gradients runs two: accumulate, and accumulate and
+    update, and holds an accumulation buffer besides), weight_outputs bytes per byte of gradients (the gradients
+    and the optimizer's weight-sized temporaries), and graph_memory bytes of fixed working memory per graph."""
+    compute_scale: float = 1.0
+    expert_compute_scale: float = 1.0
+    micro_batch_overhead: float = 0.0
+    keeps_op_outputs: bool = False
+    activation_outputs: float = 1.0
+    recompute_outputs: float = 0.0
+    weight_outputs: float = 1.0
+    graph_memory: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,7 @@ class Cluster:
     flash_attention: bool  # scores never materialised (and recomputed in backward)
     op_overhead: float  # seconds per operator launch not hidden behind the previous one
     usable_memory_fraction: float
+    runtime: Runtime = Runtime()
     sources: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -49,7 +75,7 @@ def available_clusters() -> list[str]:
     return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
 
 
-def _get(doc: dict, path: str, where: str, kind=float, default=None):
+def _get(doc: dict, path: str, where: str, kind=float, default=None, zero_ok: bool = False):
     node = doc
     for key in path.split("."):
         if not isinstance(node, dict) or key not in node:
@@ -65,9 +91,23 @@ def _get(doc: dict, path: str, where: str, kind=float, default=None):
         value = kind(node)
     except (TypeError, ValueError):
         raise ClusterError(f"{where}: field {path} must be a {kind.__name__}, got {node!r}") from None
-    if kind in (int, float) and not value > 0:
-        raise ClusterError(f"{where}: field {path} must be positive, got {node!r}")
+    if kind in (int, float) and not (value >= 0 if zero_ok else value > 0):
+        raise ClusterError(f"{where}: field {path} must be {'non-negative' if zero_ok else 'positive'}, got {node!r}")
     return value
+
+
+def _runtime(doc: dict, where: str) -> Runtime:
+    section = doc.get("runtime")
+    if section is None:
+        return Runtime()
+    if not isinstance(section, dict):
+        raise ClusterError(f"{where}: field runtime must be a mapping")
+    names = {f.name: f for f in fields(Runtime)}
+    unknown = sorted(set(section) - set(names))
+    if unknown:
+        raise ClusterError(f"{where}: unknown field runtime.{unknown[0]} (expected one of {', '.join(names)})")
+    return Runtime(**{k: _get(section, k, where + " runtime", bool if names[k].type in (bool, "bool") else float,
+                              zero_ok=k != "compute_scale") for k in section})
 
 
 def cluster_from_dict(doc: dict, where: str) -> Cluster:
@@ -92,7 +132,7 @@ def cluster_from_dict(doc: dict, where: str) -> Cluster:
         inter_bandwidth=_get(doc, "inter_node.bandwidth", where), inter_latency=_get(doc, "inter_node.latency", where),
         matmul_efficiency=eff["matmul"], memory_efficiency=eff["memory"], network_efficiency=eff["network"],
         attention_efficiency=eff["attention"], flash_attention=_get(doc, "flash_attention", where, bool),
-        op_overhead=_get(doc, "op_overhead", where), usable_memory_fraction=usable,
+        op_overhead=_get(doc, "op_overhead", where), usable_memory_fraction=usable, runtime=_runtime(doc, where),
         sources=dict(doc.get("sources") or {}))
 
 

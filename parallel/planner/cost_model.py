@@ -134,11 +134,12 @@ class _Costing:
         self.T = f(lay.mbs) * w.seq_length  # tokens of one micro-batch (one data-parallel replica)
         self.Tl = self.T / self.tp  # tokens a device owns under sequence parallelism
         self.ab = float(p.activation_bytes)
-        self.flops = c.flops(p.matmul_dtype) * c.matmul_efficiency
+        scale = c.runtime.compute_scale
+        self.flops = c.flops(p.matmul_dtype) * c.matmul_efficiency / scale
         # attention kernels stay in BF16 when the GEMMs run in FP8 (DeepSeek-V3, Megatron's FP8 recipes)
         attn_dtype = "bf16" if p.matmul_dtype == "fp8" and "bf16" in c.peak_flops else p.matmul_dtype
-        self.attn_flops = c.flops(attn_dtype) * c.attention_efficiency
-        self.mem_bw = c.memory_bandwidth * c.memory_efficiency
+        self.attn_flops = c.flops(attn_dtype) * c.attention_efficiency / scale
+        self.mem_bw = c.memory_bandwidth * c.memory_efficiency / scale
         self.intra_bw = c.intra_bandwidth * c.network_efficiency
         self.inter_bw = c.inter_bandwidth * c.network_efficiency
         self.dpn = float(c.devices_per_node)
@@ -280,6 +281,8 @@ class _Costing:
         e1f, e1b = self.gemm(rows, h, 2 * inter, local_experts)
         e2f, e2b = self.gemm(rows, inter, h, local_experts)
         e_elem = self.stream(ab * pairs * 3 * inter)
+        kernel = self.c.runtime.expert_compute_scale / self.c.runtime.compute_scale  # the grouped kernel's own scale
+        e1f, e1b, e2f, e2b, e_elem = (x * kernel for x in (e1f, e1b, e2f, e2b, e_elem))
         sf, sb, s_elem, s_full, s_sel = self.swiglu_ffn(self.T, s.num_shared_experts * s.shared_intermediate / self.tp)
         rf, rb = self.gemm(Tl, h, E)
         routing = self.stream(FP32 * Tl * 6 * E + ab * Tl * k * h * 5 + ab * Tl * 4 * h)
@@ -418,7 +421,8 @@ def stage_parts(w: Workload, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarr
     d = w.shape.mtp_depth
     mtp_extra = _pick(b.mtp.recompute, st.mtp_mode)
     mtp_extra_comm = _pick(b.mtp.recompute_comm, st.mtp_mode)
-    out = {"fwd_compute": st.embedding * b.embedding.fwd_compute + st.last * (b.head.fwd_compute + d * b.mtp.fwd_compute),
+    out = {"fwd_compute": (w.cluster.runtime.micro_batch_overhead + st.embedding * b.embedding.fwd_compute
+                           + st.last * (b.head.fwd_compute + d * b.mtp.fwd_compute)),
            "fwd_comm": st.last * (b.head.fwd_comm + d * b.mtp.fwd_comm),
            "bwd_compute": (st.embedding * b.embedding.bwd_compute
                            + st.last * (b.head.bwd_compute + d * (b.mtp.bwd_compute + mtp_extra))),
@@ -445,14 +449,18 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
     expert = st.last * d * b.mtp.expert_params
     act = st.last * d * _pick(b.mtp.act, st.mtp_mode)
+    act_none = st.last * d * b.mtp.act[0]  # what the stage would keep without recompute
     transient = st.last * np.maximum(b.head.transient[0], d * _pick(b.mtp.transient, st.mtp_mode))
+    transient_none = st.last * np.maximum(b.head.transient[0], d * b.mtp.transient[0])
     for mode in range(3):
         nd, ne = st.dense_by_mode[mode], st.moe_by_mode[mode]
         dense = dense + nd * b.dense.dense_params + ne * b.moe.dense_params
         expert = expert + ne * b.moe.expert_params
         act = act + nd * b.dense.act[mode] + ne * b.moe.act[mode]
-        transient = np.maximum(transient, np.where(nd > 0, b.dense.transient[mode], 0.0))
-        transient = np.maximum(transient, np.where(ne > 0, b.moe.transient[mode], 0.0))
+        act_none = act_none + nd * b.dense.act[0] + ne * b.moe.act[0]
+        for blk, count in ((b.dense, nd), (b.moe, ne)):
+            transient = np.maximum(transient, np.where(count > 0, blk.transient[mode], 0.0))
+            transient_none = np.maximum(transient_none, np.where(count > 0, blk.transient[0], 0.0))
     opt_bytes = p.optimizer_bytes + (4 if p.param_bytes < 4 else 0)
     shards_dense = lay.dp if w.shard_optimizer else 1
     shards_expert = lay.dp * lay.tp // (lay.ep * lay.etp) if w.shard_optimizer else 1
@@ -461,6 +469,13 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
            "optimizer": opt_bytes * (dense / shards_dense + expert / shards_expert),
            "activation_per_microbatch": act, "activations": act * in_flight(lay, st.stage), "transient": transient,
            "dense_params": dense, "expert_params": expert}
+    rt = w.cluster.runtime
+    if rt.keeps_op_outputs:  # see cluster.Runtime: nothing is freed or reused inside a step
+        graphs = np.where(lay.m > 1, 2.0, 1.0)
+        held = rt.activation_outputs * (act_none + transient_none) + rt.recompute_outputs * (act_none - act)
+        out["activations"] = graphs * held * in_flight(lay, st.stage)
+        out["grads"] = params * p.grad_bytes * (rt.weight_outputs + (lay.m > 1))
+        out["transient"] = transient = graphs * rt.graph_memory
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"] + transient
     return out
 
