@@ -52,8 +52,8 @@ def test_runtime_fit_recovers_known_constants():
                     activation_outputs=7.0, recompute_outputs=2.0, weight_outputs=4.0, graph_memory=3e8)
     made = dataclasses.replace(cpu, runtime=truth)
     rate = 0.9 * cpu.flops("fp32")
-    measured = [{"name": name, "overrides": o, "gemm_flops": rate, **predict_step("tiny", o, 1, rate, made)}
-                for name, o in PROBES]
+    measured = [{"name": name, "recipe": recipe, "overrides": o, "gemm_flops": rate,
+                 **predict_step(recipe, o, 1, rate, made)} for name, recipe, o in PROBES]
     fitted, report = fit_runtime(cpu, measured)
     for f in dataclasses.fields(Runtime):
         assert getattr(fitted, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-6), f.name

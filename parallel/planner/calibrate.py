@@ -146,15 +146,16 @@ def mindspore_gemm_flops(rows: int = 1024, k: int = 256, n: int = 768, chain: in
     return chain * 2 * rows * k * n / seconds
 
 
-# Two-layer variants of tiny.yaml (1 dense and 1 MoE layer, MTP 1): each varies what one runtime constant scales.
+# Two-layer variants of tiny.yaml and small.yaml (1 dense and 1 MoE layer, MTP 1): each varies what some runtime
+# constants scale. (name, recipe, overrides)
 _TWO_LAYERS = ["model.num_hidden_layers=2", "model.n_routed_experts=8"]
 _SEQ = lambda n: [f"model.seq_length={n}", f"model.max_position_embeddings={n}",  # noqa: E731
                   f"model.original_max_position_embeddings={n}"]
-PROBES = [("base", _TWO_LAYERS),
-          ("experts24-top8", _TWO_LAYERS + ["model.n_routed_experts=24", "model.num_experts_per_tok=8"]),
-          ("seq384", _TWO_LAYERS + _SEQ(384)),
-          ("micro2", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),
-          ("recompute", _TWO_LAYERS + ["recompute_config.recompute=true"])]
+PROBES = [("base", "tiny", _TWO_LAYERS),
+          ("small-2layers", "small", ["model.num_hidden_layers=2"]),
+          ("seq384", "tiny", _TWO_LAYERS + _SEQ(384)),
+          ("micro2", "tiny", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),
+          ("recompute", "tiny", _TWO_LAYERS + ["recompute_config.recompute=true"])]
 _TIME = ("compute_scale", "expert_compute_scale", "micro_batch_overhead")
 _MEMORY = ("activation_outputs", "recompute_outputs", "weight_outputs", "graph_memory")
 
@@ -175,9 +176,9 @@ def _coefficients(cluster, recipe: str, overrides: list[str], rate: float, key: 
     return offset, coef
 
 
-def fit_runtime(cluster, measured: list[dict], recipe: str = "tiny") -> tuple[Runtime, list[dict]]:
-    """Runtime constants fitted to measured probe steps (dicts with name, overrides, step_time, gemm_flops,
-    step_memory); also the fit's prediction per probe."""
+def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
+    """Runtime constants fitted to measured probe steps (dicts with name, recipe, overrides, step_time,
+    gemm_flops, step_memory); also the fit's prediction per probe."""
     import numpy as np
     from scipy.optimize import nnls
 
@@ -185,7 +186,8 @@ def fit_runtime(cluster, measured: list[dict], recipe: str = "tiny") -> tuple[Ru
 
     fitted = {}
     for key, names, base in (("step_time", _TIME, Runtime()), ("step_memory", _MEMORY, Runtime(keeps_op_outputs=True))):
-        rows = [_coefficients(cluster, recipe, m["overrides"], m["gemm_flops"], key, names, base) for m in measured]
+        rows = [_coefficients(cluster, m["recipe"], m["overrides"], m["gemm_flops"], key, names, base)
+                for m in measured]
         a = np.array([c for _, c in rows])
         b = np.array([m[key] - off for m, (off, _) in zip(measured, rows)])
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of very different units
@@ -196,20 +198,26 @@ def fit_runtime(cluster, measured: list[dict], recipe: str = "tiny") -> tuple[Ru
     runtime = Runtime(keeps_op_outputs=True, **fitted)
     checked = dataclasses.replace(cluster, runtime=runtime)
     report = [{"name": m["name"], **{k: m[k] for k in ("step_time", "step_memory")},
-               "predicted": predict_step(recipe, m["overrides"], 1, m["gemm_flops"], checked)} for m in measured]
+               "predicted": predict_step(m["recipe"], m["overrides"], 1, m["gemm_flops"], checked)} for m in measured]
     return runtime, report
 
 
-def measure_runtime(cluster_doc: dict, steps: int = 7) -> tuple[dict, list[dict]]:
-    """Measure the probes and fit the runtime section of `cluster_doc` (which has the machine's rates)."""
-    from parallel.planner.probe import measure_steps
+def measure_runtime(cluster_doc: dict, steps: int = 8) -> tuple[dict, list[dict]]:
+    """Measure the probes and fit the runtime section of `cluster_doc` (which has the machine's rates): each
+    probe's memory in its own process, and their step times interleaved in one (the machine's speed drifts
+    between minutes; interleaved, the drift reaches every probe alike)."""
+    from parallel.planner.probe import measure_interleaved, measure_steps
 
     measured = []
     with tempfile.TemporaryDirectory(prefix="calibrate_") as tmp:
-        for i, (name, overrides) in enumerate(PROBES, 1):
-            print(f"  probe {i}/{len(PROBES)}: {name} ...", file=sys.stderr, flush=True)
-            measured.append({"name": name, "overrides": overrides,
-                             **measure_steps("tiny", overrides, 1, steps, Path(tmp), name)})
+        for i, (name, recipe, overrides) in enumerate(PROBES, 1):
+            print(f"  probe {i}/{len(PROBES)}: {name} (memory) ...", file=sys.stderr, flush=True)
+            measured.append({"name": name, "recipe": recipe, "overrides": overrides,
+                             **measure_steps(recipe, overrides, 1, 3, Path(tmp), name)})
+        print(f"  probes interleaved ({steps} rounds, time) ...", file=sys.stderr, flush=True)
+        timed = measure_interleaved(PROBES, steps, Path(tmp))
+    for m in measured:
+        m.update(timed[m["name"]])
     runtime, report = fit_runtime(cluster_from_dict(cluster_doc, "calibration"), measured)
     section = {f.name: getattr(runtime, f.name) for f in dataclasses.fields(Runtime)}
     section = {k: (v if isinstance(v, bool) else float(f"{v:.4g}")) for k, v in section.items()}
@@ -286,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         print("measuring the training runtime on probe recipes ...", file=sys.stderr, flush=True)
         doc["runtime"], report = measure_runtime(doc)
         doc["sources"]["runtime"] = (doc["sources"]["device"].split(" (")[0] + " (fitted to training steps of "
-                                     + ", ".join(name for name, _ in PROBES) + ": two-layer variants of tiny.yaml)")
+                                     + ", ".join(name for name, _, _ in PROBES)
+                                     + ": two-layer variants of tiny.yaml and small.yaml)")
         for r in report:
             print(f"  {r['name']:10s} step {r['step_time']:.3f} s, fit {r['predicted']['step_time']:.3f} s; "
                   f"memory {r['step_memory'] / 2**20:.0f} MiB, fit {r['predicted']['step_memory'] / 2**20:.0f} MiB",

@@ -8,7 +8,9 @@ msrun with dp processes, and reports:
   minutes, and msrun's processes share its cores, so a prediction is made for the speed the step actually had;
 - step memory: the peak resident set over all steps minus the resident set before the first one (weights and
   optimizer states are resident then), graph compilation included.
-`predict_step` is the planner's step time and step memory (activations, transients and gradients) for the same
+`measure_interleaved` times several recipes' steps in one process, round by round (one step of each per round,
+after building all of them), so that the machine's drift reaches all of them alike: their relative times are
+what the calibration's fit needs. `predict_step` is the planner's step time and step memory (activations, transients and gradients) for the same
 run. The calibration fits the cluster's runtime constants on probe recipes with both; bench/planner_accuracy.py
 checks the fitted planner on other configurations.
 """
@@ -65,12 +67,34 @@ def _worker(spec: dict) -> None:
                                       "step_memory": _rss("VmHWM") - before, "times": times}), flush=True)
 
 
-def measure_steps(recipe: str, overrides: list[str], dp: int, steps: int, out: Path, name: str = "probe") -> dict:
-    """Step time, GEMM FLOP/s beside it and step memory of `steps` training steps (at least 3)."""
-    spec = json.dumps({"recipe": recipe, "overrides": overrides, "dp": dp, "steps": steps, "out": str(out / name)})
+def _interleaved_worker(spec: dict) -> None:
+    from parallel.planner.calibrate import gemm_flops
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.trainer import Trainer, configure_mindspore
+
+    trainers = {}
+    for name, recipe_name, overrides in spec["cases"]:
+        recipe = load_recipe(recipe_name, overrides + [f"output_dir={spec['out']}/{name}"])
+        configure_mindspore(recipe)
+        trainers[name] = Trainer(recipe, 0, 1, peak_flops=1e9)
+    times = {name: [] for name in trainers}
+    rates = []
+    for i in range(spec["steps"]):
+        rates.append(gemm_flops(repeats=1))
+        for name, trainer in trainers.items():
+            batch = trainer.loader.batch_at(0, i)
+            start = time.perf_counter()
+            trainer.train_step(batch)
+            times[name].append(time.perf_counter() - start)
+    mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print("RESULT " + json.dumps({name: {"step_time": mid(t[2:]), "gemm_flops": mid(rates[2:])}
+                                  for name, t in times.items()}), flush=True)
+
+
+def _run_worker(spec: dict, out: Path, dp: int = 1, name: str = "probe") -> dict:
     bin_dir = str(Path(sys.executable).parent)  # msrun starts workers with the `python` on PATH
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_MF_PATH": str(out / "mflog"), "GLOG_v": "3",
-           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), _SPEC: spec}
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), _SPEC: json.dumps(spec)}
     if dp == 1:
         cmd, logs = [sys.executable, __file__], None
     else:
@@ -84,6 +108,18 @@ def measure_steps(recipe: str, overrides: list[str], dp: int, steps: int, out: P
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"{name}: no result (rc {r.returncode}): {(text + r.stderr)[-3000:]}")
+
+
+def measure_interleaved(cases: list[tuple[str, str, list[str]]], steps: int, out: Path) -> dict:
+    """{name: {step_time, gemm_flops}} of single-process runs of (name, recipe, overrides), all built in one
+    process and stepped in rounds (`steps` rounds, at least 3; the first two compile and are not timed)."""
+    return _run_worker({"cases": cases, "steps": steps, "out": str(out / "interleaved")}, out, name="interleaved")
+
+
+def measure_steps(recipe: str, overrides: list[str], dp: int, steps: int, out: Path, name: str = "probe") -> dict:
+    """Step time, GEMM FLOP/s beside it and step memory of `steps` training steps (at least 3)."""
+    spec = {"recipe": recipe, "overrides": overrides, "dp": dp, "steps": steps, "out": str(out / name)}
+    return _run_worker(spec, out, dp, name)
 
 
 def predict_step(recipe: str, overrides: list[str], dp: int, gemm_rate: float, cluster) -> dict:
@@ -111,4 +147,5 @@ def predict_step(recipe: str, overrides: list[str], dp: int, gemm_rate: float, c
 
 
 if __name__ == "__main__":
-    _worker(json.loads(os.environ[_SPEC]))
+    _spec = json.loads(os.environ[_SPEC])
+    (_interleaved_worker if "cases" in _spec else _worker)(_spec)
