@@ -7,7 +7,7 @@ when MindSpore is importable, the per-operator launch overhead of a graph-mode k
 graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency. Memory and
 network efficiencies are 1: their peak and sustained rates are the same measurement here.
 
-Then the runtime (cluster.Runtime): real training steps of five small probe recipes (two-layer variants of
+Then the runtime (cluster.Runtime): real training steps of seven small probe recipes (two-layer variants of
 tiny.yaml, none of them a configuration bench/planner_accuracy.py checks) are measured with `probe.measure_steps`,
 and the runtime constants are fitted to them by non-negative least squares. The planner is linear in each group of
 constants (time: compute scale and two overheads; memory: four), so their coefficients come from evaluating it at
@@ -152,6 +152,8 @@ _TWO_LAYERS = ["model.num_hidden_layers=2", "model.n_routed_experts=8"]
 _SEQ = lambda n: [f"model.seq_length={n}", f"model.max_position_embeddings={n}",  # noqa: E731
                   f"model.original_max_position_embeddings={n}"]
 PROBES = [("base", "tiny", _TWO_LAYERS),
+          ("top1", "tiny", _TWO_LAYERS + ["model.num_experts_per_tok=1"]),
+          ("top8", "tiny", _TWO_LAYERS + ["model.num_experts_per_tok=8"]),
           ("small-2layers", "small", ["model.num_hidden_layers=2"]),
           ("seq384", "tiny", _TWO_LAYERS + _SEQ(384)),
           ("micro2", "tiny", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),

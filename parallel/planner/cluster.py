@@ -22,8 +22,10 @@ class Runtime:
 
     Step time = compute_scale x the modelled compute, but expert_compute_scale x the modelled time of the routed
     experts' grouped kernel (its own implementation: on CPU a host kernel over per-expert GEMMs), plus
-    micro_batch_overhead per micro-batch and stage (a graph launch with its host synchronisation). With keeps_op_outputs the runtime holds every
-    operator output of a compiled graph until the step ends (MindSpore on CPU): a step holds activation_outputs
+    micro_batch_overhead per micro-batch and stage (a graph launch with its host synchronisation).
+
+    With keeps_op_outputs the runtime holds every operator output of a compiled graph until the step ends
+    (MindSpore on CPU): a step holds activation_outputs
     bytes per byte of the activations a micro-batch keeps without recompute (plus its largest transient),
     recompute_outputs bytes per byte of recomputed activations (recompute adds outputs instead of freeing
     them), once per compiled graph (a step that accumulates gradients runs two: accumulate, and accumulate and

@@ -27,6 +27,9 @@ Activation memory per micro-batch under recompute none / selective (norms, SwiGL
 attention scores are recomputed) / full (only the layer input is kept; the forward, including its communication,
 runs again in backward). The pipeline keeps `in_flight` micro-batches per stage (1F1B: p - s; interleaved:
 Megatron's warm-up count), which decides the peak.
+A cluster's `runtime` section (cluster.Runtime, fitted by the calibration on real steps) scales the compute, adds
+a cost per micro-batch and, for a runtime that keeps every operator output (MindSpore on CPU), replaces the
+activation memory by what such a runtime holds.
 """
 from __future__ import annotations
 

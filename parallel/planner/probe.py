@@ -10,9 +10,9 @@ msrun with dp processes, and reports:
   optimizer states are resident then), graph compilation included.
 `measure_interleaved` times several recipes' steps in one process, round by round (one step of each per round,
 after building all of them), so that the machine's drift reaches all of them alike: their relative times are
-what the calibration's fit needs. `predict_step` is the planner's step time and step memory (activations, transients and gradients) for the same
-run. The calibration fits the cluster's runtime constants on probe recipes with both; bench/planner_accuracy.py
-checks the fitted planner on other configurations.
+what the calibration's fit needs. `predict_step` is the planner's step time and step memory (activations,
+transients and gradients) for the same run. The calibration fits the cluster's runtime constants on probe recipes
+with these; bench/planner_accuracy.py checks the fitted planner on other configurations.
 """
 from __future__ import annotations
 
@@ -128,7 +128,8 @@ def predict_step(recipe: str, overrides: list[str], dp: int, gemm_rate: float, c
     the rate, the links do not)."""
     import numpy as np
 
-    from parallel.planner.cost_model import Layouts, Precision, Workload, block_costs, even_stage, evaluate, stage_memory
+    from parallel.planner.cost_model import (Layouts, Precision, Workload, block_costs, even_stage, evaluate,
+                                             stage_memory)
     from telechat_moe.recipe import load_recipe
 
     r = load_recipe(recipe, overrides)
