@@ -58,3 +58,15 @@ def test_runtime_fit_recovers_known_constants():
     for f in dataclasses.fields(Runtime):
         assert getattr(fitted, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-6), f.name
     assert all(r["predicted"]["step_time"] == pytest.approx(r["step_time"]) for r in report)
+
+
+def test_interleaved_probes_time_real_trainer_steps(tmp_path):
+    """The calibration's timing worker: two probe recipes built in one process and stepped in rounds."""
+    from parallel.planner.calibrate import PROBES
+    from parallel.planner.probe import measure_interleaved
+
+    probes = [p for p in PROBES if p[0] in ("base", "micro2")]
+    timed = measure_interleaved(probes, 3, tmp_path)
+    assert set(timed) == {"base", "micro2"}
+    for r in timed.values():
+        assert 0 < r["step_time"] < 60 and 1e8 < r["gemm_flops"] < 1e13
