@@ -8,10 +8,12 @@ graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is th
 network efficiencies are 1: their peak and sustained rates are the same measurement here.
 
 Then the runtime (cluster.Runtime): real training steps of seven small probe recipes (two-layer variants of
-tiny.yaml, none of them a configuration bench/planner_accuracy.py checks) are measured with `probe.measure_steps`,
-and the runtime constants are fitted to them by non-negative least squares. The planner is linear in each group of
-constants (time: compute scale and two overheads; memory: four), so their coefficients come from evaluating it at
-unit constants: the fit and the planner share one formula.
+tiny.yaml and small.yaml, none of them a configuration bench/planner_accuracy.py checks) are measured, their
+memory each in its own process (`probe.measure_steps`) and their step times interleaved in one
+(`probe.measure_interleaved`), and the runtime constants are fitted to them by non-negative least squares. The
+planner is linear in each group of constants (time: compute scale, expert-kernel scale and the per-micro-batch
+cost; memory: four), so their coefficients come from evaluating it at unit constants: the fit and the planner
+share one formula.
 """
 from __future__ import annotations
 
@@ -190,11 +192,11 @@ def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
     for key, names, base in (("step_time", _TIME, Runtime()), ("step_memory", _MEMORY, Runtime(keeps_op_outputs=True))):
         rows = [_coefficients(cluster, m["recipe"], m["overrides"], m["gemm_flops"], key, names, base)
                 for m in measured]
+        y = np.array([m[key] for m in measured])
         a = np.array([c for _, c in rows])
-        b = np.array([m[key] - off for m, (off, _) in zip(measured, rows)])
+        b = y - np.array([off for off, _ in rows])
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of very different units
-        x, _ = nnls(a / scale / np.array([m[key] for m in measured])[:, None],
-                    b / np.array([m[key] for m in measured]))   # relative errors: probes of different sizes
+        x, _ = nnls(a / scale / y[:, None], b / y)  # relative errors: probes of different sizes
         fitted.update(zip(names, (x / scale).tolist()))
     fitted["compute_scale"] = max(fitted["compute_scale"], 1e-3)
     runtime = Runtime(keeps_op_outputs=True, **fitted)

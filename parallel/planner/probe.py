@@ -36,6 +36,10 @@ def _rss(field: str) -> float:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def _worker(spec: dict) -> None:
     """Inside one (msrun) process: build the trainer, time its steps, print one RESULT line on rank 0."""
     from parallel.planner.calibrate import gemm_flops
@@ -62,8 +66,7 @@ def _worker(spec: dict) -> None:
         trainer.train_step(batch)
         times.append(time.perf_counter() - start)
     if rank == 0:
-        mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        print("RESULT " + json.dumps({"step_time": mid(times[2:]), "gemm_flops": mid(rates[2:]),
+        print("RESULT " + json.dumps({"step_time": _median(times[2:]), "gemm_flops": _median(rates[2:]),
                                       "step_memory": _rss("VmHWM") - before, "times": times}), flush=True)
 
 
@@ -86,8 +89,7 @@ def _interleaved_worker(spec: dict) -> None:
             start = time.perf_counter()
             trainer.train_step(batch)
             times[name].append(time.perf_counter() - start)
-    mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    print("RESULT " + json.dumps({name: {"step_time": mid(t[2:]), "gemm_flops": mid(rates[2:])}
+    print("RESULT " + json.dumps({name: {"step_time": _median(t[2:]), "gemm_flops": _median(rates[2:])}
                                   for name, t in times.items()}), flush=True)
 
 
