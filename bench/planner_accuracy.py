@@ -2,10 +2,12 @@
 
 For each configuration (the tiny and small recipes, varying hidden size, sequence, experts, top-k, global batch,
 micro-batches, recompute, and data parallelism under msrun) `parallel.planner.probe.measure_steps` runs the
-trainer and measures the step time, the GEMM FLOP/s beside each step and the step memory; the planner predicts
-both from parallel/planner/clusters/cpu.yaml (run `python -m parallel.planner.calibrate` first: it measures the
-machine and fits the runtime constants on probe recipes, none of which is a case here) at the measured speed.
-Run: python bench/planner_accuracy.py [--steps 5] [--only NAME ...] [--png accuracy.png] [--json rows.json]
+trainer and measures the step memory and the step time, the latter in rounds with a step of the calibration's
+reference probe beside each step (in the same process(es)); the planner predicts both from
+parallel/planner/clusters/cpu.yaml (run `python -m parallel.planner.calibrate` first: it measures the machine and
+fits the runtime constants on probe recipes, none of which is a case here), the step time at the machine's speed
+then: the predicted time at calibration speed x the reference step now / the reference step at calibration.
+Run: python bench/planner_accuracy.py [--rounds 7] [--only NAME ...] [--png accuracy.png] [--json rows.json]
 """
 from __future__ import annotations
 
@@ -19,26 +21,27 @@ sys.path.insert(0, str(ROOT))
 
 from telechat_moe.errors import OneLineParser  # noqa: E402
 
+from parallel.planner.calibrate import REFERENCE  # noqa: E402
 from parallel.planner.cluster import load_cluster  # noqa: E402
 from parallel.planner.probe import measure_steps, predict_step  # noqa: E402
 
-CONFIGS = [  # name, recipe, overrides, data-parallel processes
-    ("tiny", "tiny", [], 1),
-    ("tiny-hidden384", "tiny", ["model.hidden_size=384"], 1),
+CONFIGS = [  # name, recipe, overrides (data_parallel > 1 runs under msrun)
+    ("tiny", "tiny", []),
+    ("tiny-hidden384", "tiny", ["model.hidden_size=384"]),
     ("tiny-seq512", "tiny", ["model.seq_length=512", "model.max_position_embeddings=512",
-                             "model.original_max_position_embeddings=512"], 1),
-    ("tiny-experts32", "tiny", ["model.n_routed_experts=32"], 1),
-    ("tiny-top2", "tiny", ["model.num_experts_per_tok=2"], 1),
-    ("tiny-batch16", "tiny", ["training.global_batch_size=16"], 1),
-    ("tiny-micro4", "tiny", ["parallel_config.micro_batch_num=4"], 1),
-    ("tiny-recompute", "tiny", ["recompute_config.recompute=true"], 1),
-    ("tiny-selective", "tiny", ["recompute_config.select_recompute=true"], 1),
-    ("small", "small", [], 1),
+                             "model.original_max_position_embeddings=512"]),
+    ("tiny-experts32", "tiny", ["model.n_routed_experts=32"]),
+    ("tiny-top2", "tiny", ["model.num_experts_per_tok=2"]),
+    ("tiny-batch16", "tiny", ["training.global_batch_size=16"]),
+    ("tiny-micro4", "tiny", ["parallel_config.micro_batch_num=4"]),
+    ("tiny-recompute", "tiny", ["recompute_config.recompute=true"]),
+    ("tiny-selective", "tiny", ["recompute_config.select_recompute=true"]),
+    ("small", "small", []),
     ("small-seq128", "small", ["model.seq_length=128", "model.max_position_embeddings=128",
-                               "model.original_max_position_embeddings=128"], 1),
-    ("small-micro2", "small", ["parallel_config.micro_batch_num=2"], 1),
-    ("tiny-dp2", "tiny", ["parallel_config.data_parallel=2"], 2),
-    ("small-dp2", "small", ["parallel_config.data_parallel=2"], 2),
+                               "model.original_max_position_embeddings=128"]),
+    ("small-micro2", "small", ["parallel_config.micro_batch_num=2"]),
+    ("tiny-dp2", "tiny", ["parallel_config.data_parallel=2"]),
+    ("small-dp2", "small", ["parallel_config.data_parallel=2"]),
 ]
 
 
@@ -69,26 +72,32 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds, the first two of them untimed warm-up")
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--png", help="write predicted-vs-measured scatter plots")
     ap.add_argument("--json", help="write the per-case results")
     args = ap.parse_args()
-    if args.steps < 3:
-        ap.error("--steps: at least 3 (two warm-up steps, then the timed ones)")
+    if args.rounds < 3:
+        ap.error("--rounds: at least 3 (two warm-up rounds, then the timed ones)")
     configs = [c for c in CONFIGS if not args.only or c[0] in args.only]
     cpu = load_cluster("cpu")
+    if not cpu.runtime.reference_step_time:
+        ap.error("parallel/planner/clusters/cpu.yaml: runtime.reference_step_time missing; run "
+                 "`python -m parallel.planner.calibrate` first")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner_accuracy_") as tmp:
-        for i, (name, recipe, overrides, dp) in enumerate(configs, 1):
+        for i, (name, recipe, overrides) in enumerate(configs, 1):
             print(f"[{i}/{len(configs)}] {name}: measuring ...", file=sys.stderr, flush=True)
-            measured = measure_steps(recipe, overrides, dp, args.steps, Path(tmp), name)
-            predicted = predict_step(recipe, overrides, dp, measured["gemm_flops"], cpu)
+            measured = measure_steps(recipe, overrides, Path(tmp), name, rounds=args.rounds, beside=[REFERENCE])
+            predicted = predict_step(recipe, overrides, cpu)
+            measured["speed"] = measured["beside"][REFERENCE[0]] / cpu.runtime.reference_step_time
+            predicted["step_time"] *= measured["speed"]
             err = {k: predicted[k] / measured[k] - 1 for k in ("step_time", "step_memory")}
             rows.append({"name": name, "measured": measured, "predicted": predicted, "error": err})
             print(f"{name:16s} step: measured {measured['step_time']:7.3f} s, predicted {predicted['step_time']:7.3f} s "
                   f"({100 * err['step_time']:+6.1f}%)   step memory: measured {measured['step_memory'] / 2**20:8.1f} "
-                  f"MiB, predicted {predicted['step_memory'] / 2**20:8.1f} MiB ({100 * err['step_memory']:+6.1f}%)",
+                  f"MiB, predicted {predicted['step_memory'] / 2**20:8.1f} MiB ({100 * err['step_memory']:+6.1f}%)   "
+                  f"reference step {measured['speed']:.2f}x calibration's",
                   flush=True)
     for key in ("step_time", "step_memory"):
         errs = [abs(r["error"][key]) for r in rows]

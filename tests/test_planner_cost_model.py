@@ -118,10 +118,12 @@ def _with_runtime(**runtime) -> Workload:
     return dataclasses.replace(W, cluster=dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, **runtime)))
 
 
-def test_runtime_scales_compute_and_adds_a_cost_per_micro_batch():
+def test_runtime_scales_compute_and_adds_costs_per_micro_batch_and_step():
     lay = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=4, mbs=1)
     base = evaluate(W, lay)["step_time"][0]
     assert evaluate(_with_runtime(micro_batch_overhead=0.01), lay)["step_time"][0] == pytest.approx(base + 4 * 0.01)
+    assert evaluate(_with_runtime(step_overhead=0.01), lay)["step_time"][0] == pytest.approx(base + 0.01)
+    assert evaluate(_with_runtime(update_scale=2.0), lay)["step_time"][0] > base
     assert evaluate(_with_runtime(compute_scale=0.5), lay)["step_time"][0] < base
     # the grouped expert kernel alone: more expensive, but less than everything twice as expensive
     slower_experts = evaluate(_with_runtime(expert_compute_scale=2.0), lay)["step_time"][0]

@@ -156,15 +156,19 @@ _SEQ = lambda n: [f"model.seq_length={n}", f"model.max_position_embeddings={n}",
 PROBES = [("base", "tiny", _TWO_LAYERS),
           ("top1", "tiny", _TWO_LAYERS + ["model.num_experts_per_tok=1"]),
           ("top8", "tiny", _TWO_LAYERS + ["model.num_experts_per_tok=8"]),
+          ("experts32", "tiny", _TWO_LAYERS + ["model.n_routed_experts=32"]),
           ("small-2layers", "small", ["model.num_hidden_layers=2"]),
           ("seq384", "tiny", _TWO_LAYERS + _SEQ(384)),
           ("micro2", "tiny", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),
           ("recompute", "tiny", _TWO_LAYERS + ["recompute_config.recompute=true"])]
-_TIME = ("compute_scale", "expert_compute_scale", "micro_batch_overhead")
-_MEMORY = ("activation_outputs", "recompute_outputs", "weight_outputs", "graph_memory")
+REFERENCE = PROBES[0]  # its step time, measured beside other runs, says how fast the machine is then
+# a data-parallel probe under msrun, for memory only: the timing runs share one process
+MEMORY_PROBES = PROBES + [("dp2", "tiny", _TWO_LAYERS + ["parallel_config.data_parallel=2"])]
+_TIME = ("compute_scale", "expert_compute_scale", "update_scale", "micro_batch_overhead", "step_overhead")
+_MEMORY = ("activation_outputs", "recompute_outputs", "weight_outputs", "graph_memory", "communicator_memory")
 
 
-def _coefficients(cluster, recipe: str, overrides: list[str], rate: float, key: str, names: tuple,
+def _coefficients(cluster, recipe: str, overrides: list[str], key: str, names: tuple,
                   base: Runtime) -> tuple[float, list[float]]:
     """(offset, coefficient per constant) of the planner's `key` as a linear function of the runtime constants
     `names` (the others as in `base`)."""
@@ -172,7 +176,7 @@ def _coefficients(cluster, recipe: str, overrides: list[str], rate: float, key: 
 
     def at(**values):
         rt = dataclasses.replace(base, **{**{n: 0.0 for n in names if n != "compute_scale"}, **values})
-        return predict_step(recipe, overrides, 1, rate, dataclasses.replace(cluster, runtime=rt))[key]
+        return predict_step(recipe, overrides, dataclasses.replace(cluster, runtime=rt))[key]
 
     zero = at(compute_scale=1.0) if "compute_scale" in names else at()
     coef = [(at(compute_scale=2.0) - zero) if n == "compute_scale" else at(**{n: 1.0}) - zero for n in names]
@@ -181,8 +185,8 @@ def _coefficients(cluster, recipe: str, overrides: list[str], rate: float, key: 
 
 
 def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
-    """Runtime constants fitted to measured probe steps (dicts with name, recipe, overrides, step_time,
-    gemm_flops, step_memory); also the fit's prediction per probe."""
+    """Runtime constants fitted to measured probe steps (dicts with name, recipe, overrides, step_time and
+    step_memory, the times measured together); also the fit's prediction per probe."""
     import numpy as np
     from scipy.optimize import nnls
 
@@ -190,9 +194,9 @@ def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
 
     fitted = {}
     for key, names, base in (("step_time", _TIME, Runtime()), ("step_memory", _MEMORY, Runtime(keeps_op_outputs=True))):
-        rows = [_coefficients(cluster, m["recipe"], m["overrides"], m["gemm_flops"], key, names, base)
-                for m in measured]
-        y = np.array([m[key] for m in measured])
+        probes = [m for m in measured if key in m]
+        rows = [_coefficients(cluster, m["recipe"], m["overrides"], key, names, base) for m in probes]
+        y = np.array([m[key] for m in probes])
         a = np.array([c for _, c in rows])
         b = y - np.array([off for off, _ in rows])
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of very different units
@@ -201,8 +205,8 @@ def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
     fitted["compute_scale"] = max(fitted["compute_scale"], 1e-3)
     runtime = Runtime(keeps_op_outputs=True, **fitted)
     checked = dataclasses.replace(cluster, runtime=runtime)
-    report = [{"name": m["name"], **{k: m[k] for k in ("step_time", "step_memory")},
-               "predicted": predict_step(m["recipe"], m["overrides"], 1, m["gemm_flops"], checked)} for m in measured]
+    report = [{"name": m["name"], **{k: m[k] for k in ("step_time", "step_memory") if k in m},
+               "predicted": predict_step(m["recipe"], m["overrides"], checked)} for m in measured]
     return runtime, report
 
 
@@ -214,15 +218,17 @@ def measure_runtime(cluster_doc: dict, steps: int = 8) -> tuple[dict, list[dict]
 
     measured = []
     with tempfile.TemporaryDirectory(prefix="calibrate_") as tmp:
-        for i, (name, recipe, overrides) in enumerate(PROBES, 1):
-            print(f"  probe {i}/{len(PROBES)}: {name} (memory) ...", file=sys.stderr, flush=True)
+        for i, (name, recipe, overrides) in enumerate(MEMORY_PROBES, 1):
+            print(f"  probe {i}/{len(MEMORY_PROBES)}: {name} (memory) ...", file=sys.stderr, flush=True)
             measured.append({"name": name, "recipe": recipe, "overrides": overrides,
-                             **measure_steps(recipe, overrides, 1, 3, Path(tmp), name)})
+                             **measure_steps(recipe, overrides, Path(tmp), name)})
         print(f"  probes interleaved ({steps} rounds, time) ...", file=sys.stderr, flush=True)
         timed = measure_interleaved(PROBES, steps, Path(tmp))
     for m in measured:
-        m.update(timed[m["name"]])
+        if m["name"] in timed:
+            m["step_time"] = timed[m["name"]]
     runtime, report = fit_runtime(cluster_from_dict(cluster_doc, "calibration"), measured)
+    runtime = dataclasses.replace(runtime, reference_step_time=timed[REFERENCE[0]])
     section = {f.name: getattr(runtime, f.name) for f in dataclasses.fields(Runtime)}
     section = {k: (v if isinstance(v, bool) else float(f"{v:.4g}")) for k, v in section.items()}
     return section, report
@@ -301,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                                      + ", ".join(name for name, _, _ in PROBES)
                                      + ": two-layer variants of tiny.yaml and small.yaml)")
         for r in report:
-            print(f"  {r['name']:10s} step {r['step_time']:.3f} s, fit {r['predicted']['step_time']:.3f} s; "
-                  f"memory {r['step_memory'] / 2**20:.0f} MiB, fit {r['predicted']['step_memory'] / 2**20:.0f} MiB",
-                  file=sys.stderr)
+            step = (f"step {r['step_time']:.3f} s, fit {r['predicted']['step_time']:.3f} s; " if "step_time" in r
+                    else "")
+            print(f"  {r['name']:10s} {step}memory {r['step_memory'] / 2**20:.0f} MiB, fit "
+                  f"{r['predicted']['step_memory'] / 2**20:.0f} MiB", file=sys.stderr)
     out.write_text("# Written by `python -m parallel.planner.calibrate`; rerun it to re-measure.\n"
                    + yaml.safe_dump(doc, sort_keys=False))
     print(f"wrote {out}: fp32 {doc['device']['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "

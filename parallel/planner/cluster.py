@@ -21,8 +21,11 @@ class Runtime:
     sinks its graph, hides launches and reuses activation memory, i.e. these defaults).
 
     Step time = compute_scale x the modelled compute, but expert_compute_scale x the modelled time of the routed
-    experts' grouped kernel (its own implementation: on CPU a host kernel over per-expert GEMMs), plus
-    micro_batch_overhead per micro-batch and stage (a graph launch with its host synchronisation).
+    experts' grouped kernel (its own implementation: on CPU a host kernel over per-expert GEMMs) and update_scale x
+    the modelled optimizer update (a stream over the weights; on CPU a chain of elementwise kernels per weight, each
+    writing its own output), plus micro_batch_overhead per micro-batch and stage (a graph launch with its host
+    synchronisation) and step_overhead per step (the host's work around the graphs: batch, loss and load
+    readback, expert-bias update).
 
     With keeps_op_outputs the runtime holds every operator output of a compiled graph until the step ends
     (MindSpore on CPU): a step holds activation_outputs
@@ -30,15 +33,27 @@ class Runtime:
     recompute_outputs bytes per byte of recomputed activations (recompute adds outputs instead of freeing
     them), once per compiled graph (a step that accumulates gradients runs two: accumulate, and accumulate and
     update, and holds an accumulation buffer besides), weight_outputs bytes per byte of gradients (the gradients
-    and the optimizer's weight-sized temporaries), and graph_memory bytes of fixed working memory per graph."""
+    and the optimizer's weight-sized temporaries), and graph_memory bytes of fixed working memory per graph.
+
+    communicator_memory is the bytes a device holds per communication group of more than one device it belongs
+    to (data, tensor, pipeline, expert, expert-tensor parallel): the collective library's own buffers (0: not
+    modelled).
+
+    reference_step_time is the seconds of one step of the calibration's reference probe (calibrate.REFERENCE)
+    when these constants were fitted: the machine speed they hold for (0: not fitted on training steps). A shared
+    machine's speed drifts; that probe's step measured beside another run says how fast the machine was then."""
     compute_scale: float = 1.0
     expert_compute_scale: float = 1.0
+    update_scale: float = 1.0
     micro_batch_overhead: float = 0.0
+    step_overhead: float = 0.0
     keeps_op_outputs: bool = False
     activation_outputs: float = 1.0
     recompute_outputs: float = 0.0
     weight_outputs: float = 1.0
     graph_memory: float = 0.0
+    communicator_memory: float = 0.0
+    reference_step_time: float = 0.0
 
 
 @dataclass(frozen=True)

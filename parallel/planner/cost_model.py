@@ -479,6 +479,9 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
         out["activations"] = graphs * held * in_flight(lay, st.stage)
         out["grads"] = params * p.grad_bytes * (rt.weight_outputs + (lay.m > 1))
         out["transient"] = transient = graphs * rt.graph_memory
+    # the collective library's buffers are fixed working memory, like a graph's
+    groups = sum((np.asarray(g) > 1).astype(np.float64) for g in (lay.dp, lay.tp, lay.pp, lay.ep, lay.etp))
+    out["transient"] = transient = transient + groups * rt.communicator_memory
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"] + transient
     return out
 
@@ -496,7 +499,9 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * master + p.param_bytes
     shards_d = c.dp if w.shard_optimizer else 1.0
     shards_e = edp if w.shard_optimizer else 1.0
-    return exposed + c.stream(per_param * (dense / shards_d + expert / shards_e))
+    rt = c.c.runtime
+    update = rt.update_scale / rt.compute_scale  # the update kernels' own scale
+    return exposed + update * c.stream(per_param * (dense / shards_d + expert / shards_e)) + rt.step_overhead
 
 
 def even_stage(w: Workload, lay: Layouts, stage) -> StagePlan:

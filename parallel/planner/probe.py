@@ -2,21 +2,21 @@
 
 `measure_steps` runs the trainer (graph mode, as run_train.py runs it) on a recipe in a fresh process, or under
 msrun with dp processes, and reports:
-- step time: the median of the steps after the first two (the first compiles the graphs);
-- speed: the fp32 GEMM FLOP/s measured just before each of those steps in the same process(es), the same
-  measurement as the calibration's peak. This shared machine's speed drifts by tens of percent between
-  minutes, and msrun's processes share its cores, so a prediction is made for the speed the step actually had;
-- step memory: the peak resident set over all steps minus the resident set before the first one (weights and
-  optimizer states are resident then), graph compilation included.
-`measure_interleaved` times several recipes' steps in one process, round by round (one step of each per round,
-after building all of them), so that the machine's drift reaches all of them alike: their relative times are
-what the calibration's fit needs. `predict_step` is the planner's step time and step memory (activations,
-transients and gradients) for the same run. The calibration fits the cluster's runtime constants on probe recipes
-with these; bench/planner_accuracy.py checks the fitted planner on other configurations.
+- step memory: the peak resident set over the first steps, run alone, minus the resident set before the first
+  one (weights and optimizer states are resident then), graph compilation included;
+- step time: the median over rounds after the first two (which compile the graphs), where each round runs one
+  step of every recipe measured beside it (built in the same process(es), single-process runs) and then one of
+  the recipe. This shared machine's speed drifts by tens of percent between minutes, and msrun's processes share
+  its cores; a recipe timed beside another sees the same drift and the same sharing, so their ratio holds still
+  where their absolute times do not. The calibration times its probes beside each other (`measure_interleaved`)
+  and bench/planner_accuracy.py times each case beside the calibration's reference probe, whose step then says
+  how fast the machine was compared with the calibration.
+`predict_step` is the planner's step time and step memory (activations, transients and gradients) for the same
+run. The calibration fits the cluster's runtime constants on probe recipes with these; bench/planner_accuracy.py
+checks the fitted planner on other configurations.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = "PLANNER_PROBE_SPEC"  # the worker's arguments: msrun would take --options for its own
+_WARM_ROUNDS = 2  # the first steps of a trainer compile its graphs
 
 
 def _rss(field: str) -> float:
@@ -40,60 +41,53 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def _worker(spec: dict) -> None:
-    """Inside one (msrun) process: build the trainer, time its steps, print one RESULT line on rank 0."""
-    from parallel.planner.calibrate import gemm_flops
+def _trainer(recipe_name: str, overrides: list[str], out: str, rank: int = 0, world: int = 1):
     from telechat_moe.recipe import load_recipe
     from telechat_moe.trainer import Trainer, configure_mindspore
 
-    recipe = load_recipe(spec["recipe"], spec["overrides"] + [f"output_dir={spec['out']}"])
+    recipe = load_recipe(recipe_name, overrides + [f"output_dir={out}"])
     configure_mindspore(recipe)
-    rank = 0
-    world = 1
+    return Trainer(recipe, rank, world, peak_flops=1e9)
+
+
+def _timed_step(trainer, i: int) -> float:
+    batch = trainer.loader.batch_at(0, i)
+    start = time.perf_counter()
+    trainer.train_step(batch)
+    return time.perf_counter() - start
+
+
+def _worker(spec: dict) -> None:
+    """Inside one (msrun) process: the recipe's step memory over its first steps alone, then rounds of one step
+    of each recipe beside it and one of the recipe; prints one RESULT line on rank 0."""
+    rank, world = 0, 1
     if spec["dp"] > 1:
         from mindspore.communication import get_group_size, get_rank, init
         init()
         rank, world = get_rank(), get_group_size()
-    trainer = Trainer(recipe, rank, world, peak_flops=1e9)
+    trainer = _trainer(spec["recipe"], spec["overrides"], spec["out"], rank, world)
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # restart the peak-RSS counter
         f.write("5")
-    times, rates = [], []
-    for i in range(spec["steps"]):
-        rates.append(gemm_flops(repeats=1))
-        batch = trainer.loader.batch_at(0, i)
-        start = time.perf_counter()
-        trainer.train_step(batch)
-        times.append(time.perf_counter() - start)
+    for i in range(spec["memory_steps"]):
+        trainer.train_step(trainer.loader.batch_at(0, i))
+    result = {"step_memory": _rss("VmHWM") - before} if spec["memory_steps"] else {}
+    # every rank builds its own single-process copy: msrun's ranks share the machine as they share it in the step
+    beside = {name: _trainer(recipe, overrides, f"{spec['out']}/{name}_{rank}") for name, recipe, overrides
+              in spec["beside"]}
+    times = {name: [] for name in [*beside, spec["name"]]}
+    for i in range(spec["rounds"]):
+        for name, other in beside.items():
+            times[name].append(_timed_step(other, i))
+        times[spec["name"]].append(_timed_step(trainer, spec["memory_steps"] + i))
+    if spec["rounds"]:
+        medians = {name: _median(t[_WARM_ROUNDS:]) for name, t in times.items()}
+        result.update(step_time=medians.pop(spec["name"]), beside=medians, times=times)
     if rank == 0:
-        print("RESULT " + json.dumps({"step_time": _median(times[2:]), "gemm_flops": _median(rates[2:]),
-                                      "step_memory": _rss("VmHWM") - before, "times": times}), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
 
 
-def _interleaved_worker(spec: dict) -> None:
-    from parallel.planner.calibrate import gemm_flops
-    from telechat_moe.recipe import load_recipe
-    from telechat_moe.trainer import Trainer, configure_mindspore
-
-    trainers = {}
-    for name, recipe_name, overrides in spec["cases"]:
-        recipe = load_recipe(recipe_name, overrides + [f"output_dir={spec['out']}/{name}"])
-        configure_mindspore(recipe)
-        trainers[name] = Trainer(recipe, 0, 1, peak_flops=1e9)
-    times = {name: [] for name in trainers}
-    rates = []
-    for i in range(spec["steps"]):
-        rates.append(gemm_flops(repeats=1))
-        for name, trainer in trainers.items():
-            batch = trainer.loader.batch_at(0, i)
-            start = time.perf_counter()
-            trainer.train_step(batch)
-            times[name].append(time.perf_counter() - start)
-    print("RESULT " + json.dumps({name: {"step_time": _median(t[2:]), "gemm_flops": _median(rates[2:])}
-                                  for name, t in times.items()}), flush=True)
-
-
-def _run_worker(spec: dict, out: Path, dp: int = 1, name: str = "probe") -> dict:
+def _run_worker(spec: dict, out: Path, dp: int, name: str) -> dict:
     bin_dir = str(Path(sys.executable).parent)  # msrun starts workers with the `python` on PATH
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_MF_PATH": str(out / "mflog"), "GLOG_v": "3",
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), _SPEC: json.dumps(spec)}
@@ -112,22 +106,30 @@ def _run_worker(spec: dict, out: Path, dp: int = 1, name: str = "probe") -> dict
     raise RuntimeError(f"{name}: no result (rc {r.returncode}): {(text + r.stderr)[-3000:]}")
 
 
-def measure_interleaved(cases: list[tuple[str, str, list[str]]], steps: int, out: Path) -> dict:
-    """{name: {step_time, gemm_flops}} of single-process runs of (name, recipe, overrides), all built in one
-    process and stepped in rounds (`steps` rounds, at least 3; the first two compile and are not timed)."""
-    return _run_worker({"cases": cases, "steps": steps, "out": str(out / "interleaved")}, out, name="interleaved")
+def measure_steps(recipe: str, overrides: list[str], out: Path, name: str = "probe", memory_steps: int = 3,
+                  rounds: int = 0, beside: list[tuple[str, str, list[str]]] = ()) -> dict:
+    """{step_memory} of the first `memory_steps` steps; with `rounds` (at least 3) also {step_time, beside:
+    {name: step_time}, times: {name: per-round seconds}} of the recipe timed in rounds with the single-process runs
+    of (name, recipe, overrides) `beside` it. Runs under msrun when the recipe is data-parallel."""
+    from telechat_moe.recipe import load_recipe
 
-
-def measure_steps(recipe: str, overrides: list[str], dp: int, steps: int, out: Path, name: str = "probe") -> dict:
-    """Step time, GEMM FLOP/s beside it and step memory of `steps` training steps (at least 3)."""
-    spec = {"recipe": recipe, "overrides": overrides, "dp": dp, "steps": steps, "out": str(out / name)}
+    dp = load_recipe(recipe, overrides).parallel_config.data_parallel
+    spec = {"name": name, "recipe": recipe, "overrides": overrides, "dp": dp, "memory_steps": memory_steps, "rounds": rounds,
+            "beside": [list(b) for b in beside], "out": str(out / name)}
     return _run_worker(spec, out, dp, name)
 
 
-def predict_step(recipe: str, overrides: list[str], dp: int, gemm_rate: float, cluster) -> dict:
-    """The planner's step time and step memory for the trainer's run of this recipe on `cluster` rescaled to
-    the measured `gemm_rate` (each of the dp processes is one device; in-pass compute and memory traffic follow
-    the rate, the links do not)."""
+def measure_interleaved(cases: list[tuple[str, str, list[str]]], rounds: int, out: Path) -> dict:
+    """{name: step_time} of single-process runs of (name, recipe, overrides), all built in one process and
+    stepped in rounds (at least 3; the first two are not timed)."""
+    (name, recipe, overrides), rest = cases[0], cases[1:]
+    r = measure_steps(recipe, overrides, out, name, memory_steps=0, rounds=rounds, beside=rest)
+    return {name: r["step_time"], **r["beside"]}
+
+
+def predict_step(recipe: str, overrides: list[str], cluster) -> dict:
+    """The planner's step time and step memory for the trainer's run of this recipe on `cluster` (each of its
+    data-parallel processes is one device)."""
     import numpy as np
 
     from parallel.planner.cost_model import (Layouts, Precision, Workload, block_costs, even_stage, evaluate,
@@ -135,10 +137,8 @@ def predict_step(recipe: str, overrides: list[str], dp: int, gemm_rate: float, c
     from telechat_moe.recipe import load_recipe
 
     r = load_recipe(recipe, overrides)
-    speed = gemm_rate / cluster.flops("fp32")
-    device = dataclasses.replace(cluster, peak_flops={k: v * speed for k, v in cluster.peak_flops.items()},
-                                 memory_bandwidth=cluster.memory_bandwidth * speed)
-    w = Workload(r.model.to_model_shape(), device, devices=dp, seq_length=r.model.seq_length,
+    dp = r.parallel_config.data_parallel
+    w = Workload(r.model.to_model_shape(), cluster, devices=dp, seq_length=r.model.seq_length,
                  global_batch=r.training.global_batch_size,
                  precision=Precision(matmul_dtype="fp32", activation_bytes=4, param_bytes=4, grad_bytes=4),
                  shard_optimizer=False, overlap_grad_reduce=False)
@@ -150,5 +150,4 @@ def predict_step(recipe: str, overrides: list[str], dp: int, gemm_rate: float, c
 
 
 if __name__ == "__main__":
-    _spec = json.loads(os.environ[_SPEC])
-    (_interleaved_worker if "cases" in _spec else _worker)(_spec)
+    _worker(json.loads(os.environ[_SPEC]))
