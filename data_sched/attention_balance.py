@@ -173,40 +173,44 @@ def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: i
     """Swap one item of the heaviest part with the item of another part that best evens the two, while it helps.
 
     For each item x of the heaviest part p and each part q the ideal partner is y = x - (S_p - S_q)/2; one
-    searchsorted over all parts' sorted items (rows offset apart) finds the two nearest candidates per (x, q).
+    searchsorted over all parts' sorted items (rows offset apart, each fenced by two sentinels) finds the two
+    nearest candidates per (x, q). A swap helps only if it moves a positive amount less than S_p - S_q, so the
+    sentinels (infinitely far), p's own items and items not smaller than x never win the least new maximum.
     """
     members = members.copy()
     parts, k = members.shape
     vals = costs[members]
-    order = np.argsort(vals, axis=1, kind="stable")
-    ys = np.take_along_axis(vals, order, 1)
     sums = vals.sum(axis=1)
-    shift = np.arange(parts)[:, None] * (2.0 * float(costs.max()) + 1.0)
-    row = np.arange(parts)[None, :, None]
+    top = float(costs.max())
+    shift = np.arange(parts) * (top + 3.0)                    # row q spans [shift_q - 1, shift_q + top + 1]
+    order = np.argsort(vals, axis=1, kind="stable")
+    ys = np.full((parts, k + 2), -np.inf)                      # sorted items, between sentinels
+    ys[:, -1] = np.inf
+    ys[:, 1:-1] = np.take_along_axis(vals, order, 1)
+    keys = ys + shift[:, None]                                 # the same, rows apart, for the search
+    keys[:, 0], keys[:, -1] = shift - 1.0, shift + top + 1.0
     for _ in range(max_rounds):
         p = int(np.argmax(sums))
         if sums[p] <= target:
             break
         x = vals[p]
-        want = x[:, None] - (sums[p] - sums[None, :]) / 2 + shift.T
-        pos = np.searchsorted((ys + shift).ravel(), want)
-        cand = np.clip(np.stack([pos - 1, pos], -1) - row * k, 0, k - 1)   # [k, parts, 2] column in row q
-        d = x[:, None, None] - ys[row, cand]
-        new_max = np.maximum(sums[p] - d, sums[None, :, None] + d)
-        new_max[:, p, :] = np.inf
-        new_max[d <= 0] = np.inf
+        want = np.clip(x[:, None] - (sums[p] - sums) / 2, -0.5, top + 0.5) + shift
+        at = np.searchsorted(keys.ravel(), want)[..., None] - (1, 0)     # [k, parts, 2] flat index in row q
+        d = x[:, None, None] - ys.ravel()[at]
+        new_max = np.maximum(sums[p] - d, sums[:, None] + d)
         f = int(np.argmin(new_max))
         if not new_max.flat[f] < sums[p] * (1 - 1e-12):
             break
         i, q, c = np.unravel_index(f, new_max.shape)
-        j = order[q, cand[i, q, c]]
+        j = order[q, at[i, q, c] - q * (k + 2) - 1]
         members[p, i], members[q, j] = members[q, j], members[p, i]
         vals[p, i], vals[q, j] = vals[q, j], vals[p, i]
         sums[p] -= d[i, q, c]
         sums[q] += d[i, q, c]
         for r in (p, q):
             order[r] = np.argsort(vals[r], kind="stable")
-            ys[r] = vals[r, order[r]]
+            ys[r, 1:-1] = vals[r, order[r]]
+            keys[r, 1:-1] = ys[r, 1:-1] + shift[r]
     return members
 
 
@@ -254,52 +258,65 @@ class _Source:
 
 
 @dataclass(frozen=True)
-class _Stream:
-    """Parts of source pieces laid out over output samples: part i is tokens offset[i]:offset[i]+length[i] of
-    source piece piece[i]; output sample j of the stream holds parts first[j]:first[j]+count[j]."""
-    piece: np.ndarray
-    offset: np.ndarray
+class _Layout:
+    """Output samples as ranges of a table of pieces: entry e is tokens pos[e]:pos[e]+length[e] of the batch's
+    samples laid end to end; output sample j holds entries first[j, i] : first[j, i] + count[j, i] for i = 0..r-1,
+    in that order, and costs sq[j] = sum(l^2) over them."""
+    pos: np.ndarray
     length: np.ndarray
-    first: np.ndarray
+    first: np.ndarray   # int64 [samples, r]
     count: np.ndarray
-
-    def sample_sq(self) -> np.ndarray:
-        csq = _offsets(np.square(self.length, dtype=np.float64))
-        return csq[self.first + self.count] - csq[self.first]
+    sq: np.ndarray      # float64 [samples]
 
 
-def _split(length: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Cut a stream of pieces at the stream positions `cuts` (ascending, repeats allowed).
+@dataclass(frozen=True)
+class _Chunks:
+    """A stream of pieces cut into chunks with every piece left in its place, so that no part of the stream is
+    copied: piece i keeps its head, head[i] tokens (up to the first cut inside it), and a chunk that begins inside
+    a piece begins with that piece's continuation, tokens cont_offset:cont_offset+cont_length of piece cont_piece
+    (one per such chunk, in chunk order). Chunk t holds continuations cont_first[t] : cont_first[t] + cont_count[t]
+    (none or one), then the heads of pieces head_first[t] : head_first[t] + head_count[t]: those beginning in it."""
+    head: np.ndarray
+    cont_piece: np.ndarray
+    cont_offset: np.ndarray
+    cont_length: np.ndarray
+    cont_first: np.ndarray
+    cont_count: np.ndarray
+    head_first: np.ndarray
+    head_count: np.ndarray
 
-    Returns the parts in stream order (piece, offset inside it, length) and how many parts each of the
-    len(cuts) + 1 chunks between the cuts holds.
-    """
+    def sq(self) -> np.ndarray:
+        """Sum of squared part lengths per chunk (reduceat: a fraction of a cumsum's time in NumPy)."""
+        sums = np.add.reduceat(np.append(np.square(self.head, dtype=np.float64), 0.0), self.head_first)
+        sums[self.head_count == 0] = 0.0
+        sums[self.cont_count > 0] += np.square(self.cont_length, dtype=np.float64)
+        return sums
+
+
+def _cut(length: np.ndarray, cuts: np.ndarray) -> _Chunks:
+    """Cut a stream of pieces (their lengths, in stream order) at the stream positions `cuts` (ascending, repeats
+    allowed) into the len(cuts) + 1 chunks between them."""
     n = len(length)
     ends = np.cumsum(length)
-    total = int(ends[-1]) if n else 0
-    inside = cuts[(cuts > 0) & (cuts < total)]
-    piece = np.searchsorted(ends, inside, side="right")
-    keep = inside > ends[piece] - length[piece]
-    keep[1:] &= inside[1:] != inside[:-1]
-    inside, piece = inside[keep], piece[keep]
-    # A piece cut at c1 < c2 < ... keeps [begin, c1) and gains the parts [c1, c2), ..., [c_last, end) after it.
-    same = np.append(piece[1:] == piece[:-1], False)
-    nxt = np.where(same, np.append(inside[1:], 0), ends[piece])
-    begin = ends[piece] - length[piece]
-    cut_into = 1 + np.bincount(piece, minlength=n)
-    part_piece = np.repeat(np.arange(n), cut_into)
-    part_length = np.repeat(length, cut_into)
-    after = piece + 1 + np.arange(len(piece))                       # where each cut's new part lands
-    part_length[after] = nxt - inside
-    part_offset = np.zeros(len(part_piece), dtype=np.int64)
-    part_offset[after] = inside - begin
-    first = np.flatnonzero(np.concatenate([[True], ~same[:-1]])) if len(piece) else piece
-    part_length[piece[first] + first] = inside[first] - begin[first]
-    # The chunk after cut c starts at the first part beginning at or after c.
-    at = np.searchsorted(ends, cuts, side="right")
-    before = at + np.searchsorted(inside, cuts, side="left")
-    before[at < n] += cuts[at < n] > ends[at[at < n]] - length[at[at < n]]
-    return part_piece, part_offset, part_length, np.diff(np.concatenate([[0], before, [len(part_piece)]]))
+    begins = ends - length
+    start = np.concatenate([[0], cuts])
+    stop = np.append(cuts, ends[-1] if n else 0)
+    # The piece each chunk begins in; a last entry past the stream stands for no piece.
+    piece = np.searchsorted(ends, start, side="right")
+    beyond = np.iinfo(np.int64).max
+    inside = (np.append(begins, beyond)[piece] < start) & (start < np.append(ends, beyond)[piece])
+    cut = np.flatnonzero(inside)
+    first_cut = cut[np.diff(piece[cut], prepend=-1) != 0]
+    head = length.copy()
+    head[piece[first_cut]] = start[first_cut] - begins[piece[first_cut]]
+    has = inside & (stop > start)
+    cont = np.flatnonzero(has)
+    cont_piece = piece[cont]
+    cont_count = has.astype(np.int64)
+    head_first = np.searchsorted(begins, start, side="left")
+    return _Chunks(head, cont_piece, start[cont] - begins[cont_piece],
+                   np.minimum(ends[cont_piece], stop[cont]) - start[cont], np.cumsum(cont_count) - cont_count,
+                   cont_count, head_first, np.diff(np.append(head_first, n)))
 
 
 def _assign_big(length: np.ndarray, sq: np.ndarray, slots: int, capacity: int, sand_density: float) -> np.ndarray:
@@ -406,18 +423,7 @@ def _coarse_share(need: np.ndarray, room: np.ndarray, fine: float, coarse: float
     return out
 
 
-def _sand_stream(pieces: np.ndarray, length: np.ndarray, rooms: np.ndarray, order: np.ndarray) -> _Stream:
-    """The pieces (indices into the source) laid out in stream order over output samples `order`, each taking
-    its room; cut where a room ends."""
-    part, offset, part_length, counts = _split(length, np.cumsum(rooms[order])[:-1])
-    count = np.zeros(len(rooms), dtype=np.int64)
-    count[order] = counts
-    first = np.zeros(len(rooms), dtype=np.int64)
-    first[order] = _offsets(counts)[:-1]
-    return _Stream(pieces[part], offset, part_length, first, count)
-
-
-def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int) -> list[_Stream]:
+def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int) -> _Layout:
     """Re-pack the source pieces `pieces` into `slots` slots of mbs samples of seq tokens, balancing sum(l^2).
 
     The longest pieces (at most BIG_PER_SLOT per slot, all longer than the average density) are spread largest
@@ -425,7 +431,7 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
     split by length into a fine and a coarse half; each slot takes the mix of the two that brings it to the common
     level, and each half is dealt so that every share spans its whole range of lengths. Slots that want less than
     the fine half's density take its shortest pieces, the neediest first. Sand is cut where a share ends: at most
-    two cuts per sample. Returns the big pieces' stream and the two sand streams over the slots' samples.
+    two cuts per sample. Returns the slots' samples as a layout of pieces: big, then fine, then coarse sand.
     """
     length = src.length[pieces]
     sq = np.square(length, dtype=np.float64)
@@ -473,19 +479,37 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
     rest = half - shortest
     fine_part = np.concatenate([sand[:shortest][_stratified(shortest)], sand[shortest:half][_stratified(rest)]])
     coarse_part = sand[half:][_stratified(len(sand) - half)]
-    b_count = np.bincount(placed[:, 1], minlength=slots * mbs)
-    streams = [_Stream(pieces[big[placed[:, 0]]], placed[:, 2], placed[:, 3], _offsets(b_count)[:-1], b_count)]
-    for part, part_rooms, order in ((fine_part, f_room, f_order), (coarse_part, k_room, np.arange(slots * mbs))):
-        streams.append(_sand_stream(pieces[part], length[part], part_rooms, order))
-    return streams
+    # Fine then coarse sand as one stream, cut where each sample's share of it ends: chunk t is the fine share of
+    # sample f_order[t], chunk samples + j the coarse share of sample j.
+    samples = slots * mbs
+    stream = np.concatenate([fine_part, coarse_part])
+    chunks = _cut(length[stream], np.cumsum(np.concatenate([f_room[f_order], k_room]))[:-1])
+    fine_chunk = np.empty(samples, dtype=np.int64)
+    fine_chunk[f_order] = np.arange(samples)
+    coarse_chunk = samples + np.arange(samples)
+    pos = src.pos[pieces]
+    b_count = np.bincount(placed[:, 1], minlength=samples)
+    heads, conts = len(placed), len(placed) + len(stream)       # the table: big parts, heads, continuations
+    first = [_offsets(b_count)[:-1]]
+    count = [b_count]
+    for chunk in (fine_chunk, coarse_chunk):
+        first += [conts + chunks.cont_first[chunk], heads + chunks.head_first[chunk]]
+        count += [chunks.cont_count[chunk], chunks.head_count[chunk]]
+    chunk_sq = chunks.sq()
+    sq = (np.bincount(placed[:, 1], weights=np.square(placed[:, 3], dtype=np.float64), minlength=samples)
+          + chunk_sq[fine_chunk] + chunk_sq[coarse_chunk])
+    return _Layout(np.concatenate([pos[big[placed[:, 0]]] + placed[:, 2], pos[stream],
+                                   pos[stream[chunks.cont_piece]] + chunks.cont_offset]),
+                   np.concatenate([placed[:, 3], chunks.head, chunks.cont_length]),
+                   np.stack(first, axis=1), np.stack(count, axis=1), sq)
 
 
 def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fixed_sq: float):
     """Re-pack the slots of `order` (samples, slot by slot) whose cost is above the mean by more than
     REPACK_TOLERANCE (and that are not whole single pieces), together with the coldest slots that can absorb
     their excess, where that lowers the worst of them. `fixed_sq` is a slot's cost besides attention, in units of
-    squared tokens. Returns (streams, re-packed slots, sample sums of squares of the output) or None when nothing
-    is gained."""
+    squared tokens. Returns (the re-packed samples' layout, re-packed slots, sample sums of squares of the output)
+    or None when nothing is gained."""
     sample_sq = src.sq[order]
     slot_sq = sample_sq.reshape(slots, mbs).sum(axis=1)
     mean = slot_sq.mean()
@@ -501,13 +525,13 @@ def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fix
     pool[by_cost[:cold]] = True
     pool_slots = np.flatnonzero(pool)
     samples = order.reshape(slots, mbs)[pool_slots].reshape(-1)
-    streams = _pack_slots(src, src.pieces_of(samples), len(pool_slots), mbs, seq)
-    pool_sq = sum(s.sample_sq() for s in streams)
+    layout = _pack_slots(src, src.pieces_of(samples), len(pool_slots), mbs, seq)
+    pool_sq = layout.sq
     if pool_sq.reshape(-1, mbs).sum(axis=1).max() >= slot_sq[pool_slots].max():
         return None
     sample_sq = sample_sq.copy()
     sample_sq.reshape(slots, mbs)[pool_slots] = pool_sq.reshape(-1, mbs)
-    return streams, pool_slots, sample_sq
+    return layout, pool_slots, sample_sq
 
 
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mode: str, dp: int,
@@ -542,27 +566,23 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mo
         rng = np.random.default_rng([seed, 0xBA1])
         slot_order = rng.permuted(rank_slots[rng.permutation(dp)], axis=1).reshape(-1)
     out_samples = (slot_order[:, None] * mbs + np.arange(mbs)).reshape(-1)    # output sample -> layout sample
-    columns = [src.pos, src.length]
+    columns = (src.pos, src.length)
     firsts = src.offsets[order][:, None]
     counts = np.diff(src.offsets)[order][:, None]
     if repacked is not None:
-        # Source pieces, then each stream's parts as (position, length); a re-packed sample takes its
-        # ranges from the streams instead of the source.
-        streams, pool_slots, _ = repacked
-        base = len(src.length)
+        # The table: source pieces, then the re-packed layout's; a re-packed sample takes its ranges from the
+        # layout instead of the source.
+        layout, pool_slots, _ = repacked
         pool_samples = (pool_slots[:, None] * mbs + np.arange(mbs)).reshape(-1)
-        firsts = np.repeat(firsts, 1 + len(streams), axis=1)
-        counts = np.concatenate([counts, np.zeros((g, len(streams)), dtype=np.int64)], axis=1)
+        empty = np.zeros((g, layout.first.shape[1]), dtype=np.int64)
+        firsts = np.concatenate([firsts, empty], axis=1)
+        counts = np.concatenate([counts, empty], axis=1)
         counts[pool_samples, 0] = 0
-        parts = [columns]
-        for k, s in enumerate(streams):
-            firsts[pool_samples, k + 1] = base + s.first
-            counts[pool_samples, k + 1] = s.count
-            parts.append([src.pos[s.piece] + s.offset, s.length])
-            base += len(s.length)
-        columns = [np.concatenate(c) for c in zip(*parts)]
+        firsts[pool_samples, 1:] = len(src.length) + layout.first
+        counts[pool_samples, 1:] = layout.count
+        columns = (np.concatenate([src.pos, layout.pos]), np.concatenate([src.length, layout.length]))
     after = (cost_model.a * sample_sq[out_samples] + fixed).reshape(slots, mbs).sum(axis=1)
-    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, tuple(columns), firsts[out_samples],
+    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, columns, firsts[out_samples],
                            counts[out_samples], before, after)
 
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from data_sched.attention_balance import (DocLengths, balance_global_batch, balanced_partition, lower_bounds,
-                                          partition_bound, repack_bound, _lpt, _split, _stratified)
+                                          partition_bound, repack_bound, _cut, _lpt, _offsets,
+                                          _stratified)
 from data_sched.attention_cost import CostModel, fit_attention_cost
 from data_sched.errors import DataError
 from data_sched.loader import BatchLoader
@@ -146,22 +147,31 @@ def test_seed_only_moves_groups_between_ranks():
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=12), data=st.data())
-def test_split_cuts_a_stream_exactly_where_asked(lengths, data):
-    """Parts tile the stream in order, each inside one piece, none crossing a cut; chunks count the parts
-    between consecutive cuts (repeated cuts give empty chunks)."""
+@given(lengths=st.lists(st.integers(1, 9), max_size=12), data=st.data())
+def test_cut_splits_a_stream_exactly_where_asked(lengths, data):
+    """Chunk by chunk (continuation, then heads), the parts tile the stream in order, each inside one piece, none
+    crossing a cut, every chunk exactly the tokens between its cuts (repeated cuts give empty chunks)."""
     length = np.array(lengths, dtype=np.int64)
     total = int(length.sum())
     cuts = np.array(sorted(data.draw(st.lists(st.integers(0, total), max_size=8))), dtype=np.int64)
-    piece, offset, part_length, counts = _split(length, cuts)
+    chunks = _cut(length, cuts)
     begins = np.cumsum(length) - length
-    stream = np.concatenate([[0], np.cumsum(part_length)])
+    piece = np.concatenate([np.arange(len(length)), chunks.cont_piece])
+    offset = np.concatenate([np.zeros(len(length), dtype=np.int64), chunks.cont_offset])
+    part_length = np.concatenate([chunks.head, chunks.cont_length])
+    ranges = [(len(length) + chunks.cont_first, chunks.cont_count), (chunks.head_first, chunks.head_count)]
+    order = np.concatenate([np.arange(f, f + c) for t in range(len(cuts) + 1) for f, c in
+                            ((first[t], count[t]) for first, count in ranges)]).astype(np.int64)
+    stream = np.concatenate([[0], np.cumsum(part_length[order])])
     assert stream[-1] == total and (part_length > 0).all()
-    assert np.array_equal(begins[piece] + offset, stream[:-1])            # in order, no gap, no overlap
+    assert np.array_equal(begins[piece[order]] + offset[order], stream[:-1])     # in order, no gap, no overlap
     assert (offset + part_length <= length[piece]).all()
-    assert not ((cuts[:, None] > stream[None, :-1]) & (cuts[:, None] < stream[None, 1:])).any()
-    chunk = np.searchsorted(cuts, stream[:-1], side="right")
-    assert np.array_equal(counts, np.bincount(chunk, minlength=len(cuts) + 1))
+    parts_per_chunk = sum(count for _, count in ranges)
+    chunk_ends = stream[np.cumsum(parts_per_chunk)]
+    assert np.array_equal(chunk_ends, np.append(cuts, total))
+    squares = np.square(part_length[order], dtype=np.float64)
+    assert np.allclose(chunks.sq(), np.add.reduceat(np.append(squares, 0.0), _offsets(parts_per_chunk)[:-1])
+                       * (parts_per_chunk > 0))
 
 
 def test_stratified_order_is_a_permutation_spread_over_the_range():
