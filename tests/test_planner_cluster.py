@@ -57,4 +57,4 @@ def test_runtime_section_defaults_to_an_accelerator_runtime():
     assert load_cluster("h100").runtime.compute_scale == 1.0
     assert not load_cluster("ascend910b").runtime.keeps_op_outputs
     cpu = load_cluster("cpu").runtime  # fitted by the calibration on real training steps
-    assert cpu.keeps_op_outputs and cpu.activation_outputs > 1 and cpu.micro_batch_overhead > 0
+    assert cpu.keeps_op_outputs and cpu.devices_share_cores and cpu.activation_outputs > 1 and cpu.update_scale > 1

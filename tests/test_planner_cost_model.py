@@ -8,8 +8,8 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import (Layouts, Workload, block_costs, even_stage, evaluate, in_flight, p2p_time,
-                                         stage_memory, stage_time, step_time, update_time)
+from parallel.planner.cost_model import (Layouts, Workload, _Costing, block_costs, even_stage, evaluate, in_flight,
+                                         p2p_time, stage_memory, stage_time, step_time, update_time)
 from parallel.planner.model_shape import training_memory
 from parallel.planner.search import enumerate_layouts
 from parallel.planner.simulate import simulate_layout
@@ -118,17 +118,31 @@ def _with_runtime(**runtime) -> Workload:
     return dataclasses.replace(W, cluster=dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, **runtime)))
 
 
-def test_runtime_scales_compute_and_adds_costs_per_micro_batch_and_step():
+def test_runtime_scales_compute_and_adds_costs_per_step():
     lay = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=4, mbs=1)
     base = evaluate(W, lay)["step_time"][0]
-    assert evaluate(_with_runtime(micro_batch_overhead=0.01), lay)["step_time"][0] == pytest.approx(base + 4 * 0.01)
     assert evaluate(_with_runtime(step_overhead=0.01), lay)["step_time"][0] == pytest.approx(base + 0.01)
     assert evaluate(_with_runtime(update_scale=2.0), lay)["step_time"][0] > base
+    # separate accumulation passes: m + 1 of them with micro-batches, none without
+    acc = _with_runtime(accumulate_scale=1.0)
+    one = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=1, mbs=4)
+    assert evaluate(acc, one)["step_time"][0] == evaluate(W, one)["step_time"][0]
+    extra = evaluate(acc, lay)["step_time"][0] - base
+    assert extra > 0 and evaluate(_with_runtime(accumulate_scale=2.0), lay)["step_time"][0] == pytest.approx(
+        base + 2 * extra)
     assert evaluate(_with_runtime(compute_scale=0.5), lay)["step_time"][0] < base
     # the grouped expert kernel alone: more expensive, but less than everything twice as expensive
     slower_experts = evaluate(_with_runtime(expert_compute_scale=2.0), lay)["step_time"][0]
     assert base < slower_experts < evaluate(_with_runtime(compute_scale=2.0, expert_compute_scale=2.0), lay)[
         "step_time"][0]
+
+
+def test_processes_sharing_a_hosts_cores_share_its_compute():
+    lay = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=4, mbs=1)
+    alone = _Costing(W, lay).flops
+    assert _Costing(_with_runtime(devices_share_cores=True), lay).flops == pytest.approx(
+        alone / min(W.devices, W.cluster.devices_per_node))
+    assert evaluate(_with_runtime(devices_share_cores=True), lay)["step_time"][0] > evaluate(W, lay)["step_time"][0]
 
 
 def test_a_runtime_that_keeps_every_output_holds_each_graphs_activations():

@@ -48,8 +48,8 @@ def test_runtime_fit_recovers_known_constants():
     from parallel.planner.probe import predict_step
 
     cpu = load_cluster("cpu")
-    truth = Runtime(compute_scale=0.8, expert_compute_scale=3.0, update_scale=12.0, micro_batch_overhead=0.05,
-                    step_overhead=0.2, keeps_op_outputs=True,
+    truth = Runtime(compute_scale=0.8, expert_compute_scale=3.0, update_scale=12.0, accumulate_scale=9.0,
+                    step_overhead=0.2, devices_share_cores=True, keeps_op_outputs=True,
                     activation_outputs=7.0, recompute_outputs=2.0, weight_outputs=4.0, graph_memory=3e8,
                     communicator_memory=2e8)
     made = dataclasses.replace(cpu, runtime=truth)
@@ -63,11 +63,13 @@ def test_runtime_fit_recovers_known_constants():
     assert all(r["predicted"][k] == pytest.approx(r[k]) for r in report for k in ("step_time", "step_memory") if k in r)
 
 
-def test_interleaved_probes_time_real_trainer_steps(tmp_path):
-    """The calibration's timing worker: two probe recipes built in one process and stepped in rounds."""
-    from parallel.planner.calibrate import PROBES
-    from parallel.planner.probe import measure_interleaved
+def test_probe_steps_are_timed_beside_the_reference(tmp_path):
+    """The calibration's and the accuracy bench's worker: a probe's memory over its first steps alone, then its
+    steps in rounds with the reference probe's, both real trainers in one process."""
+    from parallel.planner.calibrate import PROBES, REFERENCE
+    from parallel.planner.probe import measure_steps
 
-    probes = [p for p in PROBES if p[0] in ("base", "micro2")]
-    timed = measure_interleaved(probes, 3, tmp_path)
-    assert set(timed) == {"base", "micro2"} and all(0 < t < 60 for t in timed.values())
+    name, recipe, overrides = next(p for p in PROBES if p[0] == "micro2")
+    r = measure_steps(recipe, overrides, tmp_path, name, memory_steps=1, rounds=3, beside=[REFERENCE])
+    assert 0 < r["step_time"] < 60 and 0 < r["beside"][REFERENCE[0]] < 60 and 1e7 < r["step_memory"] < 1e10
+    assert [len(t) for t in r["times"].values()] == [3, 3]

@@ -7,13 +7,14 @@ when MindSpore is importable, the per-operator launch overhead of a graph-mode k
 graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency. Memory and
 network efficiencies are 1: their peak and sustained rates are the same measurement here.
 
-Then the runtime (cluster.Runtime): real training steps of seven small probe recipes (two-layer variants of
+Then the runtime (cluster.Runtime): real training steps of eight small probe recipes (two-layer variants of
 tiny.yaml and small.yaml, none of them a configuration bench/planner_accuracy.py checks) are measured, their
-memory each in its own process (`probe.measure_steps`) and their step times interleaved in one
-(`probe.measure_interleaved`), and the runtime constants are fitted to them by non-negative least squares. The
-planner is linear in each group of constants (time: compute scale, expert-kernel scale and the per-micro-batch
-cost; memory: four), so their coefficients come from evaluating it at unit constants: the fit and the planner
-share one formula.
+memory and step time each in its own process, the time beside a reference probe that gives the machine's speed
+(`probe.measure_steps`; a data-parallel variant under msrun besides, for the communicators' memory), and the
+runtime constants are fitted to them by non-negative least squares. The planner is linear in each group of
+constants (time: compute, expert-kernel, update and accumulation scales and the cost per step; memory: five), so
+their coefficients come from evaluating it at unit constants: the fit and the planner share one formula. The
+reference probe's step time is kept with them: the machine's speed they hold for.
 """
 from __future__ import annotations
 
@@ -161,10 +162,11 @@ PROBES = [("base", "tiny", _TWO_LAYERS),
           ("seq384", "tiny", _TWO_LAYERS + _SEQ(384)),
           ("micro2", "tiny", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),
           ("recompute", "tiny", _TWO_LAYERS + ["recompute_config.recompute=true"])]
-REFERENCE = PROBES[0]  # its step time, measured beside other runs, says how fast the machine is then
+# the base probe again: its step, measured beside every run, says how fast the machine is then
+REFERENCE = ("reference", *PROBES[0][1:])
 # a data-parallel probe under msrun, for memory only: the timing runs share one process
 MEMORY_PROBES = PROBES + [("dp2", "tiny", _TWO_LAYERS + ["parallel_config.data_parallel=2"])]
-_TIME = ("compute_scale", "expert_compute_scale", "update_scale", "micro_batch_overhead", "step_overhead")
+_TIME = ("compute_scale", "expert_compute_scale", "update_scale", "accumulate_scale", "step_overhead")
 _MEMORY = ("activation_outputs", "recompute_outputs", "weight_outputs", "graph_memory", "communicator_memory")
 
 
@@ -203,32 +205,35 @@ def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
         x, _ = nnls(a / scale / y[:, None], b / y)  # relative errors: probes of different sizes
         fitted.update(zip(names, (x / scale).tolist()))
     fitted["compute_scale"] = max(fitted["compute_scale"], 1e-3)
-    runtime = Runtime(keeps_op_outputs=True, **fitted)
+    runtime = Runtime(keeps_op_outputs=True, devices_share_cores=True, **fitted)
     checked = dataclasses.replace(cluster, runtime=runtime)
     report = [{"name": m["name"], **{k: m[k] for k in ("step_time", "step_memory") if k in m},
                "predicted": predict_step(m["recipe"], m["overrides"], checked)} for m in measured]
     return runtime, report
 
 
-def measure_runtime(cluster_doc: dict, steps: int = 8) -> tuple[dict, list[dict]]:
-    """Measure the probes and fit the runtime section of `cluster_doc` (which has the machine's rates): each
-    probe's memory in its own process, and their step times interleaved in one (the machine's speed drifts
-    between minutes; interleaved, the drift reaches every probe alike)."""
-    from parallel.planner.probe import measure_interleaved, measure_steps
+def measure_runtime(cluster_doc: dict, rounds: int = 7) -> tuple[dict, list[dict]]:
+    """Measure the probes and fit the runtime section of `cluster_doc` (which has the machine's rates). Each probe
+    runs in its own process: its memory over its first steps alone, then its step time in rounds beside the
+    reference probe, as bench/planner_accuracy.py measures its cases. The machine's speed drifts between minutes:
+    each probe's time is brought to the reference's median speed over all probes by the reference beside it."""
+    from parallel.planner.probe import measure_steps
 
     measured = []
     with tempfile.TemporaryDirectory(prefix="calibrate_") as tmp:
         for i, (name, recipe, overrides) in enumerate(MEMORY_PROBES, 1):
-            print(f"  probe {i}/{len(MEMORY_PROBES)}: {name} (memory) ...", file=sys.stderr, flush=True)
+            timed = (name, recipe, overrides) in PROBES
+            print(f"  probe {i}/{len(MEMORY_PROBES)}: {name} ({'memory, time' if timed else 'memory'}) ...",
+                  file=sys.stderr, flush=True)
             measured.append({"name": name, "recipe": recipe, "overrides": overrides,
-                             **measure_steps(recipe, overrides, Path(tmp), name)})
-        print(f"  probes interleaved ({steps} rounds, time) ...", file=sys.stderr, flush=True)
-        timed = measure_interleaved(PROBES, steps, Path(tmp))
+                             **measure_steps(recipe, overrides, Path(tmp), name, rounds=rounds if timed else 0,
+                                             beside=[REFERENCE] if timed else [])})
+    reference = float(np.median([m["beside"][REFERENCE[0]] for m in measured if "beside" in m]))
     for m in measured:
-        if m["name"] in timed:
-            m["step_time"] = timed[m["name"]]
+        if "beside" in m:
+            m["step_time"] *= reference / m["beside"][REFERENCE[0]]
     runtime, report = fit_runtime(cluster_from_dict(cluster_doc, "calibration"), measured)
-    runtime = dataclasses.replace(runtime, reference_step_time=timed[REFERENCE[0]])
+    runtime = dataclasses.replace(runtime, reference_step_time=reference)
     section = {f.name: getattr(runtime, f.name) for f in dataclasses.fields(Runtime)}
     section = {k: (v if isinstance(v, bool) else float(f"{v:.4g}")) for k, v in section.items()}
     return section, report
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print("measuring the training runtime on probe recipes ...", file=sys.stderr, flush=True)
         doc["runtime"], report = measure_runtime(doc)
         doc["sources"]["runtime"] = (doc["sources"]["device"].split(" (")[0] + " (fitted to training steps of "
-                                     + ", ".join(name for name, _, _ in PROBES)
+                                     + ", ".join(name for name, _, _ in MEMORY_PROBES)
                                      + ": two-layer variants of tiny.yaml and small.yaml)")
         for r in report:
             step = (f"step {r['step_time']:.3f} s, fit {r['predicted']['step_time']:.3f} s; " if "step_time" in r

@@ -23,9 +23,12 @@ class Runtime:
     Step time = compute_scale x the modelled compute, but expert_compute_scale x the modelled time of the routed
     experts' grouped kernel (its own implementation: on CPU a host kernel over per-expert GEMMs) and update_scale x
     the modelled optimizer update (a stream over the weights; on CPU a chain of elementwise kernels per weight, each
-    writing its own output), plus micro_batch_overhead per micro-batch and stage (a graph launch with its host
-    synchronisation) and step_overhead per step (the host's work around the graphs: batch, loss and load
-    readback, expert-bias update).
+    writing its own output), plus accumulate_scale x a stream over the gradients and an accumulation buffer per
+    micro-batch (and one more) when a step accumulates (0: accumulation fused into the weight-gradient GEMMs, as
+    on accelerators), and step_overhead per step (the host's work around the graphs: batch, loss and load
+    readback, expert-bias update). With devices_share_cores the devices of a node are processes on one host's
+    cores (msrun on a CPU): k of them running share its compute and memory bandwidth, each 1/k; their host-side
+    costs run on a core each.
 
     With keeps_op_outputs the runtime holds every operator output of a compiled graph until the step ends
     (MindSpore on CPU): a step holds activation_outputs
@@ -45,8 +48,9 @@ class Runtime:
     compute_scale: float = 1.0
     expert_compute_scale: float = 1.0
     update_scale: float = 1.0
-    micro_batch_overhead: float = 0.0
+    accumulate_scale: float = 0.0
     step_overhead: float = 0.0
+    devices_share_cores: bool = False
     keeps_op_outputs: bool = False
     activation_outputs: float = 1.0
     recompute_outputs: float = 0.0

@@ -137,7 +137,9 @@ class _Costing:
         self.T = f(lay.mbs) * w.seq_length  # tokens of one micro-batch (one data-parallel replica)
         self.Tl = self.T / self.tp  # tokens a device owns under sequence parallelism
         self.ab = float(p.activation_bytes)
-        scale = c.runtime.compute_scale
+        # processes sharing a host's cores share its compute (see cluster.Runtime)
+        sharing = min(w.devices, c.devices_per_node) if c.runtime.devices_share_cores else 1
+        scale = c.runtime.compute_scale * sharing
         self.flops = c.flops(p.matmul_dtype) * c.matmul_efficiency / scale
         # attention kernels stay in BF16 when the GEMMs run in FP8 (DeepSeek-V3, Megatron's FP8 recipes)
         attn_dtype = "bf16" if p.matmul_dtype == "fp8" and "bf16" in c.peak_flops else p.matmul_dtype
@@ -424,7 +426,7 @@ def stage_parts(w: Workload, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarr
     d = w.shape.mtp_depth
     mtp_extra = _pick(b.mtp.recompute, st.mtp_mode)
     mtp_extra_comm = _pick(b.mtp.recompute_comm, st.mtp_mode)
-    out = {"fwd_compute": (w.cluster.runtime.micro_batch_overhead + st.embedding * b.embedding.fwd_compute
+    out = {"fwd_compute": (st.embedding * b.embedding.fwd_compute
                            + st.last * (b.head.fwd_compute + d * b.mtp.fwd_compute)),
            "fwd_comm": st.last * (b.head.fwd_comm + d * b.mtp.fwd_comm),
            "bwd_compute": (st.embedding * b.embedding.bwd_compute
@@ -487,8 +489,9 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
 
 
 def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
-    """Exposed data-parallel communication plus the optimizer update of one stage, after the pipeline drains;
-    `fwd` / `bwd` are the stage's per-micro-batch times that the reduce-scatter / all-gather hide behind."""
+    """Exposed data-parallel communication plus the optimizer update of one stage, after the pipeline drains, and
+    the runtime's separate gradient-accumulation passes; `fwd` / `bwd` are the stage's per-micro-batch times that
+    the reduce-scatter / all-gather hide behind."""
     p, c = w.precision, _Costing(w, lay)
     edp = (lay.dp * lay.tp) / (lay.ep * lay.etp)
     dense, expert = mem["dense_params"], mem["expert_params"]
@@ -501,7 +504,10 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     shards_e = edp if w.shard_optimizer else 1.0
     rt = c.c.runtime
     update = rt.update_scale / rt.compute_scale  # the update kernels' own scale
-    return exposed + update * c.stream(per_param * (dense / shards_d + expert / shards_e)) + rt.step_overhead
+    # with micro-batches, m - 1 passes add into the buffer, then one adds it to the last and one zeroes it
+    passes = np.where(lay.m > 1, lay.m + 1.0, 0.0) * rt.accumulate_scale / rt.compute_scale
+    return (exposed + update * c.stream(per_param * (dense / shards_d + expert / shards_e))
+            + passes * c.stream(3 * p.grad_bytes * (dense + expert)) + rt.step_overhead)
 
 
 def even_stage(w: Workload, lay: Layouts, stage) -> StagePlan:

@@ -1,16 +1,15 @@
 """Measure real training steps on this machine, and the planner's prediction of the same steps.
 
 `measure_steps` runs the trainer (graph mode, as run_train.py runs it) on a recipe in a fresh process, or under
-msrun with dp processes, and reports:
+msrun when the recipe is data-parallel, and reports:
 - step memory: the peak resident set over the first steps, run alone, minus the resident set before the first
   one (weights and optimizer states are resident then), graph compilation included;
 - step time: the median over rounds after the first two (which compile the graphs), where each round runs one
-  step of every recipe measured beside it (built in the same process(es), single-process runs) and then one of
-  the recipe. This shared machine's speed drifts by tens of percent between minutes, and msrun's processes share
-  its cores; a recipe timed beside another sees the same drift and the same sharing, so their ratio holds still
-  where their absolute times do not. The calibration times its probes beside each other (`measure_interleaved`)
-  and bench/planner_accuracy.py times each case beside the calibration's reference probe, whose step then says
-  how fast the machine was compared with the calibration.
+  step of every recipe measured beside it (built in the same process; under msrun on rank 0 while the other
+  ranks wait) and then one of the recipe. This shared machine's speed drifts by tens of percent between
+  minutes; a recipe timed beside another sees the same drift, so their ratio holds still where their absolute
+  times do not. The calibration and bench/planner_accuracy.py time every run beside the calibration's reference
+  probe, whose step says how fast the machine was compared with the calibration.
 `predict_step` is the planner's step time and step memory (activations, transients and gradients) for the same
 run. The calibration fits the cluster's runtime constants on probe recipes with these; bench/planner_accuracy.py
 checks the fitted planner on other configurations.
@@ -59,7 +58,8 @@ def _timed_step(trainer, i: int) -> float:
 
 def _worker(spec: dict) -> None:
     """Inside one (msrun) process: the recipe's step memory over its first steps alone, then rounds of one step
-    of each recipe beside it and one of the recipe; prints one RESULT line on rank 0."""
+    of each recipe beside it (on rank 0, the other ranks waiting) and one of the recipe; prints one RESULT line on
+    rank 0."""
     rank, world = 0, 1
     if spec["dp"] > 1:
         from mindspore.communication import get_group_size, get_rank, init
@@ -72,13 +72,20 @@ def _worker(spec: dict) -> None:
     for i in range(spec["memory_steps"]):
         trainer.train_step(trainer.loader.batch_at(0, i))
     result = {"step_memory": _rss("VmHWM") - before} if spec["memory_steps"] else {}
-    # every rank builds its own single-process copy: msrun's ranks share the machine as they share it in the step
-    beside = {name: _trainer(recipe, overrides, f"{spec['out']}/{name}_{rank}") for name, recipe, overrides
-              in spec["beside"]}
+    beside = {name: _trainer(recipe, overrides, f"{spec['out']}/{name}") for name, recipe, overrides
+              in spec["beside"]} if rank == 0 else {}
     times = {name: [] for name in [*beside, spec["name"]]}
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
     for i in range(spec["rounds"]):
+        # the other ranks sleep through rank 0's steps beside (a marker file per round): those see the machine
+        # as the calibration's single process saw it, and the recipe's ranks start their step together
+        marker = Path(spec["out"]) / f"round_{i}"
         for name, other in beside.items():
             times[name].append(_timed_step(other, i))
+        if rank == 0:
+            marker.touch()
+        while not marker.exists():
+            time.sleep(0.001)
         times[spec["name"]].append(_timed_step(trainer, spec["memory_steps"] + i))
     if spec["rounds"]:
         medians = {name: _median(t[_WARM_ROUNDS:]) for name, t in times.items()}
@@ -114,17 +121,9 @@ def measure_steps(recipe: str, overrides: list[str], out: Path, name: str = "pro
     from telechat_moe.recipe import load_recipe
 
     dp = load_recipe(recipe, overrides).parallel_config.data_parallel
-    spec = {"name": name, "recipe": recipe, "overrides": overrides, "dp": dp, "memory_steps": memory_steps, "rounds": rounds,
-            "beside": [list(b) for b in beside], "out": str(out / name)}
+    spec = {"name": name, "recipe": recipe, "overrides": overrides, "dp": dp, "memory_steps": memory_steps,
+            "rounds": rounds, "beside": [list(b) for b in beside], "out": str(out / name)}
     return _run_worker(spec, out, dp, name)
-
-
-def measure_interleaved(cases: list[tuple[str, str, list[str]]], rounds: int, out: Path) -> dict:
-    """{name: step_time} of single-process runs of (name, recipe, overrides), all built in one process and
-    stepped in rounds (at least 3; the first two are not timed)."""
-    (name, recipe, overrides), rest = cases[0], cases[1:]
-    r = measure_steps(recipe, overrides, out, name, memory_steps=0, rounds=rounds, beside=rest)
-    return {name: r["step_time"], **r["beside"]}
 
 
 def predict_step(recipe: str, overrides: list[str], cluster) -> dict:
