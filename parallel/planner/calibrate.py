@@ -187,9 +187,8 @@ def _coefficients(cluster, recipe: str, overrides: list[str], key: str, names: t
 
 
 def fit_runtime(cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
-    """Runtime constants fitted to measured probe steps (dicts with name, recipe, overrides, step_time and
-    step_memory, the times measured together); also the fit's prediction per probe."""
-    import numpy as np
+    """Runtime constants fitted to measured probe steps (dicts with name, recipe, overrides, step_memory and,
+    where timed, step_time at one machine speed); also the fit's prediction per probe."""
     from scipy.optimize import nnls
 
     from parallel.planner.probe import predict_step
