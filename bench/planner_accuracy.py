@@ -72,7 +72,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7, help="timed rounds, the first two of them untimed warm-up")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of steps; the first two are warm-up, not timed")
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--png", help="write predicted-vs-measured scatter plots")
     ap.add_argument("--json", help="write the per-case results")
