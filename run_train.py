@@ -35,9 +35,9 @@ def has_ascend() -> bool:
     return bool(os.environ.get("ASCEND_HOME_PATH")) or os.path.isdir("/usr/local/Ascend")
 
 
-def distributed_world(dp: int) -> tuple[int, int]:
+def distributed_world() -> tuple[int, int]:
     """(rank, world); initialises MindSpore communication when launched by msrun."""
-    if "MS_WORKER_NUM" not in os.environ and dp == 1:
+    if "MS_WORKER_NUM" not in os.environ:
         return 0, 1
     from mindspore.communication import get_group_size, get_rank, init
     init()
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from data_sched.errors import DataError
     from parallel.layout import LayoutError
     from telechat_moe.errors import CheckpointError, RecipeError
-    from telechat_moe.recipe import load_recipe, validate
+    from telechat_moe.recipe import check_trainable, launched_processes, load_recipe, validate
     try:
         recipe = load_recipe(args.recipe, args.set)
         from telechat_moe.dry_run import fit_problem, report
@@ -61,15 +61,11 @@ def main(argv=None) -> int:
         problem = fit_problem(recipe, total_memory_bytes(), has_ascend())
         if problem:
             raise RecipeError(problem)
-        p = recipe.parallel_config
-        if recipe.context.device_target == "CPU" and (p.model_parallel, p.pipeline_stage, p.expert_parallel,
-                                                      p.context_parallel) != (1, 1, 1, 1):
-            raise RecipeError("parallel_config: on CPU only data_parallel runs (tensor, pipeline, expert and context "
-                              "parallelism need the Ascend engine); use --dry-run to plan this layout")
+        check_trainable(recipe, launched_processes(os.environ))
         check_writable(recipe.output_dir)
         from telechat_moe.trainer import Trainer, configure_mindspore
         configure_mindspore(recipe)     # before communication init: MindSpore fixes the device there
-        rank, world = distributed_world(p.data_parallel)
+        rank, world = distributed_world()
         validate(recipe, world)
         trainer = Trainer(recipe, rank, world)
         if args.resume:

@@ -58,13 +58,14 @@ class ModelConfig:
     moe_router_bias_update_rate: float = 1e-3
     moe_aux_loss_coeff: float = 1e-3          # sequence-level auxiliary loss
     moe_z_loss_coeff: float = 0.0
-    moe_token_dispatcher_type: str = "local"  # local | alltoall | hierarchical (the last two on Ascend)
+    moe_token_dispatcher_type: str = "local"  # local | alltoall | hierarchical (the last two: planner only)
 
     # Multi-token prediction
     num_nextn_predict_layers: int = 1
     mtp_loss_factor: float = 0.2
 
-    # dtypes: parameters and compute; router, norms and softmax stay float32 as MindFormers' recipe keeps them
+    # dtypes: parameters, compute and attention softmax; the router and RMSNorm always run in float32, as MindFormers'
+    # recipe keeps them, so their two keys accept only float32
     params_dtype: str = "float32"
     compute_dtype: str = "float32"
     softmax_compute_dtype: str = "float32"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import difflib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -22,6 +23,9 @@ ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "n
            "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
            "max_steps": "train_steps", "batch_size": "global_batch_size"}
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# The planner prices all three schemes; training builds only the local one (telechat_moe/moe/dispatch.py).
+DISPATCHERS = ("local", "alltoall", "hierarchical")
+TRAINABLE_DISPATCHERS = ("local",)
 
 
 @dataclass
@@ -269,7 +273,8 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     m, p, t = r.model, r.parallel_config, r.training
     for key in ("vocab_size", "seq_length", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-                "num_experts_per_tok", "moe_intermediate_size"):
+                "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings",
+                "original_max_position_embeddings"):
         _require(getattr(m, key) >= 1, f"model.{key}: expected a positive integer, got {getattr(m, key)}")
     for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
         _require(getattr(m, key) >= 0, f"model.{key}: expected 0 or more, got {getattr(m, key)}")
@@ -281,20 +286,39 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim: RoPE needs an even size, got {m.qk_rope_head_dim}")
     _require(m.first_k_dense_replace == 0 or m.intermediate_size >= 1,
              "model.intermediate_size: dense layers need a positive FFN size")
+    _require(m.n_shared_experts == 0 or m.moe_shared_expert_intermediate_size >= 1,
+             f"model.moe_shared_expert_intermediate_size: {m.n_shared_experts} shared expert(s) need a positive FFN "
+             f"size, got {m.moe_shared_expert_intermediate_size}")
+    _require(m.moe_token_dispatcher_type in DISPATCHERS,
+             f"model.moe_token_dispatcher_type: expected one of {', '.join(DISPATCHERS)}, "
+             f"got {m.moe_token_dispatcher_type!r}")
     _require(m.attention_kernel in ("dense", "varlen"),
              f"model.attention_kernel: expected dense or varlen, got {m.attention_kernel!r}")
     _require(m.scoring_func in ("sigmoid", "softmax"),
              f"model.scoring_func: expected sigmoid or softmax, got {m.scoring_func!r}")
-    for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype", "layernorm_compute_dtype",
-                "router_dense_type"):
+    for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype"):
         _require(getattr(m, key) in ("float32", "float16", "bfloat16"),
                  f"model.{key}: expected float32, float16 or bfloat16, got {getattr(m, key)!r}")
+    # Accepted for MindFormers recipes, which set them to float32; the model keeps these parts in float32 always.
+    for key, part in (("router_dense_type", "the router's logits"), ("layernorm_compute_dtype", "RMSNorm")):
+        _require(getattr(m, key) == "float32",
+                 f"model.{key}: expected float32 ({part} is always computed in float32), got {getattr(m, key)!r}")
     if m.n_group:
         _require(m.n_routed_experts % m.n_group == 0,
                  f"model.n_group: {m.n_group} groups must divide n_routed_experts={m.n_routed_experts}")
-        _require(1 <= m.topk_group <= m.n_group, f"model.topk_group: expected 1..n_group={m.n_group}, got {m.topk_group}")
+        _require(1 <= m.topk_group <= m.n_group,
+                 f"model.topk_group: expected 1..n_group={m.n_group}, got {m.topk_group}")
         _require(m.topk_group * (m.n_routed_experts // m.n_group) >= m.num_experts_per_tok,
                  "model.topk_group: the chosen groups hold fewer experts than num_experts_per_tok")
+    _require(m.rope_theta > 1, f"model.rope_theta: expected a RoPE base above 1, got {m.rope_theta}")
+    _require(m.rotary_scaling_factor >= 1,
+             f"model.rotary_scaling_factor: expected 1 (no YaRN) or more, got {m.rotary_scaling_factor}")
+    if m.yarn_enabled:
+        # YaRN interpolates the dimensions turning fewer than beta_slow times over the original context and keeps
+        # those turning more than beta_fast times; the other order inverts the ramp, and log() needs both positive.
+        _require(m.beta_slow > 0, f"model.beta_slow: expected > 0 for YaRN, got {m.beta_slow}")
+        _require(m.beta_fast >= m.beta_slow,
+                 f"model.beta_fast: expected at least beta_slow={m.beta_slow} for YaRN, got {m.beta_fast}")
     _require(m.max_position_embeddings >= m.seq_length or m.yarn_enabled,
              f"model.seq_length: {m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings} "
              f"without YaRN (rotary_scaling_factor > 1)")
@@ -304,13 +328,27 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
         layout = p.layout().validate(world_size)
     except LayoutError as e:
         raise RecipeError(str(e)) from None
-    _require(m.n_routed_experts % (p.expert_parallel * p.expert_model_parallel) == 0 or
-             p.expert_model_parallel > 1 and m.n_routed_experts % p.expert_parallel == 0,
+    _require(m.n_routed_experts % p.expert_parallel == 0,
              f"parallel_config.expert_parallel: {m.n_routed_experts} experts cannot be split evenly over "
              f"expert_parallel={p.expert_parallel}")
+    _require(m.moe_intermediate_size % p.expert_model_parallel == 0,
+             f"parallel_config.expert_model_parallel: the expert FFN size moe_intermediate_size="
+             f"{m.moe_intermediate_size} is not divisible by expert_model_parallel={p.expert_model_parallel}")
     _require(m.num_attention_heads % p.model_parallel == 0,
              f"parallel_config.model_parallel: {m.num_attention_heads} attention heads are not divisible by "
              f"model_parallel={p.model_parallel}")
+    for key, used in (("intermediate_size", m.first_k_dense_replace > 0),
+                      ("moe_shared_expert_intermediate_size", m.n_shared_experts > 0)):
+        _require(not used or getattr(m, key) % p.model_parallel == 0,
+                 f"parallel_config.model_parallel: model.{key}={getattr(m, key)} is not divisible by "
+                 f"model_parallel={p.model_parallel}")
+    # MindFormers splits the embedding and head by vocabulary unless vocab_emb_dp; an uneven vocabulary makes it fall
+    # back to whole copies with only a warning, while the memory plan counts the split.
+    _require(p.vocab_emb_dp or m.vocab_size % p.model_parallel == 0,
+             f"model.vocab_size: {m.vocab_size} is not divisible by model_parallel={p.model_parallel}; pad it to a "
+             f"multiple or set parallel_config.vocab_emb_dp: true")
+    _require(m.seq_length % p.context_parallel == 0,
+             f"model.seq_length: {m.seq_length} not divisible by context_parallel={p.context_parallel}")
     _require(m.seq_length % (p.model_parallel if p.use_seq_parallel else 1) == 0,
              f"model.seq_length: {m.seq_length} not divisible by model_parallel={p.model_parallel} for sequence "
              f"parallelism")
@@ -353,6 +391,35 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     _require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")
     _require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
              "model.compute_dtype: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
+
+
+def launched_processes(env: Mapping[str, str]) -> int:
+    """How many processes this launch started: msrun exports MS_WORKER_NUM to each; a plain `python` start is one."""
+    value = env.get("MS_WORKER_NUM", "1").strip()
+    _require(value.isdigit() and int(value) >= 1,
+             f"MS_WORKER_NUM: expected a positive process count (msrun sets it), got {value!r}")
+    return int(value)
+
+
+def check_trainable(r: Recipe, processes: int) -> None:
+    """What training needs beyond a valid recipe (a --dry-run plans any layout): an engine that runs the layout, a
+    dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
+    communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
+    p, m = r.parallel_config, r.model
+    _require(r.context.device_target != "CPU" or
+             (p.model_parallel, p.pipeline_stage, p.expert_parallel, p.context_parallel) == (1, 1, 1, 1),
+             "parallel_config: on CPU only data_parallel runs (tensor, pipeline, expert and context parallelism "
+             "need the Ascend engine); use --dry-run to plan this layout")
+    _require(m.moe_token_dispatcher_type in TRAINABLE_DISPATCHERS,
+             f"model.moe_token_dispatcher_type: {m.moe_token_dispatcher_type!r} is for planning (--dry-run, "
+             f"parallel.plan); training builds only {', '.join(TRAINABLE_DISPATCHERS)}")
+    world = r.layout.world_size
+    devices = f"{world} device{'s' if world > 1 else ''}"
+    launched = f"{processes} process{'es were' if processes > 1 else ' was'} launched"
+    _require(world == processes,
+             f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = {p.data_parallel}*"
+             f"{p.model_parallel}*{p.context_parallel}*{p.pipeline_stage} = {devices}, but {launched} (use msrun "
+             f"--worker_num={world}, or change parallel_config)")
 
 
 def _is_number(text: str) -> bool:

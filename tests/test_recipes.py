@@ -5,7 +5,7 @@ import pytest
 
 from parallel.planner.model_shape import parameter_breakdown
 from telechat_moe.errors import RecipeError
-from telechat_moe.recipe import find_recipe, load_recipe
+from telechat_moe.recipe import check_trainable, find_recipe, launched_processes, load_recipe
 from tests.helpers import assert_one_line_error, run_cli
 
 ALL = ["tiny", "small", "105b", "370b", "1t"]
@@ -54,40 +54,107 @@ def test_too_big_for_this_machine_stops_before_allocating():
     assert_one_line_error(proc, "--dry-run", "GiB")
 
 
+# Each case: the --set assignments, then the field the one-line error must name and a hint of what was expected.
 MALFORMED_SETS = [
-    ("model.num_layers=4", "model.num_layers", "did you mean model.num_hidden_layers"),
-    ("model.hiden_size=64", "model.hiden_size", "did you mean model.hidden_size"),
-    ("trainig.train_steps=3", "trainig", "did you mean training"),
-    ("model.hidden_size=abc", "model.hidden_size", "integer"),
-    ("model.qk_layernorm=3", "model.qk_layernorm", "true or false"),
-    ("optimizer.learning_rate=fast", "optimizer.learning_rate", "number"),
-    ("model.num_experts_per_tok=32", "model.num_experts_per_tok", "n_routed_experts=16"),
-    ("parallel_config.expert_parallel=3", "expert_parallel", ""),
-    ("model.qk_rope_head_dim=15", "model.qk_rope_head_dim", "even"),
-    ("parallel_config.model_parallel=3", "model_parallel", "heads"),
-    ("parallel_config.micro_batch_num=3", "training.global_batch_size", "divisible"),
-    ("training.global_batch_size=0", "training.global_batch_size", "positive"),
-    ("model.scoring_func=relu", "model.scoring_func", "sigmoid or softmax"),
-    ("model.compute_dtype=bfloat16", "model.compute_dtype", "CPU"),
-    ("model.n_group=3", "model.n_group", "divide"),
-    ("data.attention_balance=sometimes", "data.attention_balance", "reorder"),
-    ("lr_schedule.type=step", "lr_schedule.type", "cosine"),
-    ("parallel_config.pipeline_stage=8", "micro_batch_num", "pipeline"),
-    ("parallel_config.data_parallel=0", "parallel_config.data_parallel", "positive"),
-    ("model.first_k_dense_replace=9", "model.first_k_dense_replace", "num_hidden_layers"),
-    ("model.seq_length=1024", "model.seq_length", "max_position_embeddings"),
-    ("optimizer.betas=[0.9]", "optimizer.betas", "two numbers"),
-    ("data.paths=notalist", "data.paths", "list"),
-    ("training.loss_scale=huge", "training.loss_scale", "dynamic"),
+    (["model.num_layers=4"], "model.num_layers", "did you mean model.num_hidden_layers"),
+    (["model.hiden_size=64"], "model.hiden_size", "did you mean model.hidden_size"),
+    (["trainig.train_steps=3"], "trainig", "did you mean training"),
+    (["model.hidden_size=abc"], "model.hidden_size", "integer"),
+    (["model.qk_layernorm=3"], "model.qk_layernorm", "true or false"),
+    (["optimizer.learning_rate=fast"], "optimizer.learning_rate", "number"),
+    (["model.num_experts_per_tok=32"], "model.num_experts_per_tok", "n_routed_experts=16"),
+    (["parallel_config.expert_parallel=3"], "parallel_config.expert_parallel", "must divide"),
+    # expert_parallel=8 fits data_parallel=8, so only the expert count is left to be wrong
+    (["model.n_routed_experts=12", "parallel_config.expert_parallel=8", "parallel_config.data_parallel=8"],
+     "parallel_config.expert_parallel", "12 experts cannot be split evenly over expert_parallel=8"),
+    (["parallel_config.data_parallel=5", "parallel_config.expert_model_parallel=5", "training.global_batch_size=10"],
+     "parallel_config.expert_model_parallel", "moe_intermediate_size=192"),
+    (["model.qk_rope_head_dim=15"], "model.qk_rope_head_dim", "even"),
+    (["parallel_config.model_parallel=3"], "model_parallel", "heads"),
+    (["parallel_config.model_parallel=4", "model.intermediate_size=770"], "model.intermediate_size=770",
+     "model_parallel=4"),
+    (["parallel_config.model_parallel=2", "model.vocab_size=4097"], "model.vocab_size", "vocab_emb_dp"),
+    (["parallel_config.context_parallel=3"], "model.seq_length", "context_parallel=3"),
+    (["parallel_config.micro_batch_num=3"], "training.global_batch_size", "divisible"),
+    (["training.global_batch_size=0"], "training.global_batch_size", "positive"),
+    (["model.scoring_func=relu"], "model.scoring_func", "sigmoid or softmax"),
+    (["model.compute_dtype=bfloat16"], "model.compute_dtype", "CPU"),
+    (["model.router_dense_type=bfloat16"], "model.router_dense_type", "float32"),
+    (["model.layernorm_compute_dtype=float16"], "model.layernorm_compute_dtype", "float32"),
+    (["model.moe_token_dispatcher_type=all2all"], "model.moe_token_dispatcher_type", "local, alltoall"),
+    (["model.moe_shared_expert_intermediate_size=0"], "model.moe_shared_expert_intermediate_size", "positive"),
+    (["model.n_group=3"], "model.n_group", "divide"),
+    (["model.rope_theta=0"], "model.rope_theta", "above 1"),
+    (["model.rotary_scaling_factor=0.5"], "model.rotary_scaling_factor", "1 (no YaRN) or more"),
+    (["model.rotary_scaling_factor=4", "model.beta_fast=1", "model.beta_slow=32"], "model.beta_fast",
+     "beta_slow=32"),
+    (["model.rotary_scaling_factor=4", "model.beta_slow=-1"], "model.beta_slow", "> 0"),
+    (["data.attention_balance=sometimes"], "data.attention_balance", "reorder"),
+    (["lr_schedule.type=step"], "lr_schedule.type", "cosine"),
+    (["parallel_config.pipeline_stage=8"], "micro_batch_num", "pipeline"),
+    (["parallel_config.data_parallel=0"], "parallel_config.data_parallel", "positive"),
+    (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "num_hidden_layers"),
+    (["model.seq_length=1024"], "model.seq_length", "max_position_embeddings"),
+    (["optimizer.betas=[0.9]"], "optimizer.betas", "two numbers"),
+    (["data.paths=notalist"], "data.paths", "list"),
+    (["training.loss_scale=huge"], "training.loss_scale", "dynamic"),
 ]
 
 
-@pytest.mark.parametrize("assignment,field,hint", MALFORMED_SETS, ids=[m[0] for m in MALFORMED_SETS])
-def test_malformed_override_rejected(assignment, field, hint):
-    with pytest.raises(RecipeError) as err:
-        load_recipe("tiny", [assignment])
-    message = str(err.value)
-    assert field in message and hint in message and "\n" not in message
+@pytest.mark.parametrize("assignments,field,hint", MALFORMED_SETS, ids=[" ".join(m[0]) for m in MALFORMED_SETS])
+def test_malformed_override_exits_2_with_one_line(assignments, field, hint):
+    sets = [arg for a in assignments for arg in ("--set", a)]
+    assert_one_line_error(run_cli("run_train.py", "--recipe", "tiny", "--dry-run", *sets), field, hint)
+
+
+def test_yarn_with_its_ramp_in_order_is_accepted():
+    r = load_recipe("tiny", ["model.rotary_scaling_factor=4", "model.beta_fast=8", "model.beta_slow=8",
+                             "model.seq_length=512"])
+    assert r.model.yarn_enabled
+
+
+def test_uneven_vocabulary_accepted_when_embedding_is_not_split():
+    assert load_recipe("tiny", ["parallel_config.model_parallel=2", "model.vocab_size=4097",
+                                "parallel_config.vocab_emb_dp=true"]).model.vocab_size == 4097
+
+
+# ---- what a training run needs beyond a valid recipe ------------------------------------------------------------
+def test_launched_processes_come_from_msrun():
+    assert launched_processes({}) == 1
+    assert launched_processes({"MS_WORKER_NUM": "2"}) == 2
+    with pytest.raises(RecipeError, match="MS_WORKER_NUM"):
+        launched_processes({"MS_WORKER_NUM": "two"})
+
+
+def test_layout_must_match_the_processes_launched():
+    dp2 = load_recipe("tiny", ["parallel_config.data_parallel=2"])
+    check_trainable(dp2, launched_processes({"MS_WORKER_NUM": "2"}))      # msrun --worker_num=2, as test_training
+    with pytest.raises(RecipeError, match=r"parallel_config: .* = 2 devices, but 1 process was launched"):
+        check_trainable(dp2, launched_processes({}))
+    with pytest.raises(RecipeError, match=r"parallel_config: .* = 1 device, but 2 processes were launched"):
+        check_trainable(load_recipe("tiny"), launched_processes({"MS_WORKER_NUM": "2"}))
+
+
+# Runs main() in a fresh interpreter and reports whether MindSpore was ever imported.
+MAIN_AND_MINDSPORE = "import sys, run_train; rc = run_train.main(sys.argv[1:]); print('mindspore' in sys.modules); " \
+                     "sys.exit(rc)"
+
+
+def test_data_parallel_without_msrun_stops_before_mindspore(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("-c", MAIN_AND_MINDSPORE, "--recipe", "tiny", "--set", "parallel_config.data_parallel=2",
+                   "--set", f"output_dir={out}")
+    assert_one_line_error(proc, "parallel_config", "2 devices", "1 process", "msrun --worker_num=2")
+    assert proc.stdout.strip() == "False" and not out.exists()
+
+
+def test_planner_only_dispatcher_plans_but_does_not_train(tmp_path):
+    alltoall = ["--set", "model.moe_token_dispatcher_type=alltoall"]
+    assert run_cli("run_train.py", "--recipe", "tiny", "--dry-run", *alltoall).returncode == 0
+    out = tmp_path / "out"
+    proc = run_cli("-c", MAIN_AND_MINDSPORE, "--recipe", "tiny", *alltoall, "--set", f"output_dir={out}")
+    assert_one_line_error(proc, "model.moe_token_dispatcher_type", "'alltoall'", "local")
+    assert proc.stdout.strip() == "False" and not out.exists()
 
 
 MALFORMED_FILES = {
