@@ -115,6 +115,25 @@ def router(x, weight, bias, top_k: int, routed_scaling: float) -> np.ndarray:
     return dense_routing_weights(indices, weights, weight.shape[0])
 
 
+def sequence_aux_loss(scores: np.ndarray, indices: np.ndarray, batch: int, alpha: float) -> float:
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), averaged over the batch's sequences.
+    scores (t, experts): the gating scores s (sigmoid or softmax), rows sequence-major, t = batch * seq;
+    indices (t, k): the experts each token was routed to. Per sequence of T tokens:
+    f_i = N_r / (K_r T) * #{t : i chosen by t}, P_i = mean_t s_it / sum_j s_jt, loss = alpha * sum_i f_i P_i."""
+    t, experts = scores.shape
+    seq, k = t // batch, indices.shape[1]
+    chosen = np.zeros((t, experts))
+    np.put_along_axis(chosen, indices, 1.0, axis=-1)
+    f = chosen.reshape(batch, seq, experts).sum(1) * experts / (k * seq)
+    p = (scores / scores.sum(-1, keepdims=True)).reshape(batch, seq, experts).mean(1)
+    return float(alpha * np.mean(np.sum(f * p, axis=-1)))
+
+
+def router_z_loss(logits: np.ndarray, coeff: float) -> float:
+    """ST-MoE's router z-loss: coeff * mean over tokens of logsumexp(logits)^2."""
+    return float(coeff * np.mean(np.logaddexp.reduce(logits, axis=-1) ** 2))
+
+
 def dispatch_combine(x: np.ndarray, indices: np.ndarray, weights: np.ndarray, expert_scale: np.ndarray) -> np.ndarray:
     """Each token goes to its k experts (here: expert e multiplies by expert_scale[e], enough to tell experts
     apart) and comes back as the routing-weighted sum, in token order."""

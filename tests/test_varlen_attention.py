@@ -1,14 +1,18 @@
 """Variable-length causal attention: the CPU kernel (forward and its backward, in graph mode) against a float64
 dense-masked reference for several segmentations and dtypes; the tiling and batching of the NumPy kernel; and the
-Ascend binding's arguments (TND layout, cumulative document ends) by shape and by emulating their semantics."""
+Ascend binding's arguments (TND layout, cumulative document ends) by shape and by emulating their semantics; and
+the model's own per-document masking: its dense bias against the same reference, and MultiLatentAttention on packed
+documents (dense and varlen) against each document run alone."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from data_sched.packing import doc_lens_to_actual_seq_len
 from dvm_fusion import varlen_attention as va
-from precision.tolerance import assert_close, chain_tolerance, round_to
+from precision.tolerance import assert_close, chain_tolerance, relative_error, round_to
 
 SCALE = 0.2
 
@@ -153,3 +157,89 @@ def test_flash_attention_arguments_are_tnd_with_cumulative_document_ends():
 def test_kernel_choice_follows_the_device():
     assert va.attention_kernel_for("CPU") is va.varlen_causal_attention_cpu
     assert va.attention_kernel_for("Ascend") is va.varlen_causal_attention_ascend
+
+
+# ---- the model's per-document masks --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", ["many short", "length one", "mixed"])
+def test_model_dense_mask_matches_reference(name, dtype):
+    """The dense path: the additive bias MultiLatentAttention gets from segment ids, with the model's attention."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from telechat_moe.mla import attention_bias, dense_causal_attention
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    lens = SEGMENTATIONS[name]
+    seg = segment_ids(lens)
+    b, h, s, dq, dv = len(lens), 3, seg.shape[1], 24, 16
+    q, k, v, _ = inputs(np.random.default_rng(len(name) + 100), b, h, s, dq, dv, dtype)
+    bias = attention_bias(Tensor(seg), Tensor(np.tril(np.ones((s, s), dtype=np.bool_))))
+    out = dense_causal_attention(Tensor(q), Tensor(k), Tensor(v), bias, SCALE, ms.float32,
+                                 ms.float16 if dtype == "float16" else ms.float32).asnumpy()
+    want = reference(*(round_to(x, dtype) for x in (q, k, v)), seg, SCALE, np.zeros_like(v))[0]
+    # scores and p.v run over the whole packed row here (masked entries are exact zeros but still summed)
+    assert_close(out, want, chain_tolerance(dtype, (dq, s, s)), f"{name} {dtype} dense")
+
+
+MLA_DOCS = [[9, 23, 16], [30, 1, 17]]  # two packed samples of three documents each
+
+
+def mla_cells():
+    """A small MultiLatentAttention on the dense path and the same weights on the varlen kernel."""
+    from telechat_moe.config import ModelConfig
+    from telechat_moe.mla import MultiLatentAttention
+
+    cfg = ModelConfig(hidden_size=48, num_attention_heads=3, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=12, seq_length=48, max_position_embeddings=48,
+                      initializer_range=0.3)
+    dense = MultiLatentAttention(cfg)
+    varlen = MultiLatentAttention(dataclasses.replace(cfg, attention_kernel="varlen"))
+    for dst, src in zip(varlen.get_parameters(), dense.get_parameters()):
+        dst.set_data(src.value())
+    return cfg, dense, varlen
+
+
+def test_mla_on_packed_documents_equals_each_document_alone():
+    """Three documents packed in a sample give, on the dense and on the varlen path, what each document gives run
+    alone (at the same positions, so RoPE tables are identical and only the masking can differ)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from data_sched.packing import doc_lens_to_segment_ids
+    from telechat_moe.mla import attention_bias, rope_tables
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg, dense, varlen = mla_cells()
+    s, b = cfg.seq_length, len(MLA_DOCS)
+    cos, sin = (np.broadcast_to(t[None, None], (b, 1) + t.shape) for t in rope_tables(cfg, s))
+    causal = Tensor(np.tril(np.ones((s, s), dtype=np.bool_)))
+    seg = Tensor(np.stack([doc_lens_to_segment_ids(lens, s) for lens in MLA_DOCS]))
+    x = np.random.default_rng(4).standard_normal((b, s, cfg.hidden_size)).astype(np.float32)
+
+    def alone(cell, mask_of):
+        """Each document on its own: a batch of one, a sequence of its length, one segment."""
+        out = np.zeros(x.shape, np.float32)
+        for i, lens in enumerate(MLA_DOCS):
+            for start, end in zip(np.cumsum([0] + lens[:-1]), np.cumsum(lens)):
+                rows = (slice(i, i + 1), slice(None), slice(start, end))
+                one = Tensor(np.zeros((1, end - start), np.int32))
+                out[i, start:end] = cell(Tensor(x[i:i + 1, start:end]), Tensor(cos[rows]), Tensor(sin[rows]),
+                                         mask_of(one)).asnumpy()[0]
+        return out
+
+    def packed(cell, mask):
+        return cell(Tensor(x), Tensor(cos), Tensor(sin), mask).asnumpy()
+
+    want = alone(dense, lambda one: attention_bias(one, causal))
+    # the projections (hidden, q latent, kv latent), scores over the head dim, softmax and p.v over the packed row,
+    # the output projection over heads * v_head_dim
+    tol = chain_tolerance("float32", (cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, s, s,
+                                      cfg.num_attention_heads * cfg.v_head_dim))
+    assert_close(packed(dense, attention_bias(seg, causal)), want, tol, "dense, packed vs alone")
+    assert_close(packed(varlen, seg), want, tol, "varlen, packed vs alone")
+    assert_close(alone(varlen, lambda one: one), want, tol, "varlen alone vs dense alone")
+    # One causal mask over the whole sample lets documents see each other: far off, so the test can tell.
+    leaky = packed(dense, attention_bias(Tensor(np.zeros((b, s), np.int32)), causal))
+    assert relative_error(leaky, want) > 100 * tol.rtol
