@@ -5,7 +5,9 @@ what those paths compute differently from a plain run, inside one process:
 
     TP  RowParallelLinear: input features split over tp ranks, partial products summed (the all-reduce)
     SP  sharded_rope_tables: each sequence shard takes RoPE tables at its own global positions
-    PP  accumulate_micro_batches: gradients of loss/m summed over m micro-batches
+    PP  pipeline_step: the pipeline's own arithmetic, parallel/pipeline/replay.py's executor: the model cut into
+        p stages x v chunks, the schedule's actions in its order, activations stored for the backward, each
+        stage's gradients accumulated over the micro-batches (`Accumulator.add`)
     EP  ExpertParallelDispatcher: tokens sent to expert-parallel ranks, sorted by local expert there, combine
         weights travelling with the tokens and applied on the expert side
     DP  all_reduce_mean / all_gather_batch: the real collectives, for runs under msrun
@@ -15,12 +17,16 @@ never a flag in the correct code.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from parallel.pipeline.replay import Accumulator, ReplayResult, replay
+from parallel.pipeline.schedules import Schedule
+from precision.capture import ForwardCapture
 from telechat_moe.moe.dispatch import expert_group_sizes, stable_order
 
 
@@ -87,17 +93,22 @@ def sharded_rope_tables(cos_table: Tensor, sin_table: Tensor, shard_positions: S
 
 
 # ---- PP ------------------------------------------------------------------------------------------------
-def accumulate_micro_batches(grad_fn: Callable, micro_batches: Sequence[Sequence]) -> tuple[float, list]:
-    """Mean loss and the sum over micro-batches of grad(loss / m), in micro-batch order, as every pipeline
-    stage accumulates its parameters' gradients. `grad_fn(*batch)` returns (loss, grads)."""
-    m = len(micro_batches)
-    total_loss, total = 0.0, None
-    for batch in micro_batches:
-        loss, grads = grad_fn(*batch)
-        grads = [g / m for g in grads]
-        total = grads if total is None else [t + g for t, g in zip(total, grads)]
-        total_loss += float(loss) / m
-    return total_loss, total
+@contextmanager
+def unhooked(capture: ForwardCapture):
+    """`capture` (entered) with its hooks off for the duration; what it recorded so far stays."""
+    capture.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        capture.__enter__()
+
+
+def pipeline_step(schedule: Schedule, chunks: Sequence, loss_fn: Callable, microbatches: Sequence[tuple],
+                  capture: ForwardCapture, accumulator: Accumulator | None = None) -> ReplayResult:
+    """One step's loss and accumulated gradients through the pipeline replay executor (chunks, loss_fn and
+    micro-batches as replay() takes them). The backward re-runs each chunk's forward; `capture` is unhooked
+    there, so that it records every forward pass once, micro-batches joined in order as in a plain step."""
+    return replay(schedule, chunks, loss_fn, microbatches, accumulator, recompute=lambda: unhooked(capture))
 
 
 # ---- EP ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import Tensor, nn, ops  # noqa: E402
 
-from parallel.pipeline.replay import ReplayError, replay  # noqa: E402
+from parallel.pipeline.replay import Accumulator, ReplayError, replay  # noqa: E402
 from parallel.pipeline.schedules import Kind, build  # noqa: E402
 from precision.tolerance import assert_close, chain_tolerance, relative_error  # noqa: E402
 
@@ -99,6 +99,25 @@ def test_a_wrong_scale_is_caught():
         assert_close(got.grads[params[0].name], grads[0], chain_tolerance("float32", [tokens] * 5))
 
 
+def test_each_gradient_is_accumulated_on_the_stage_of_its_chunk():
+    """The accumulation hook sees every backward's gradients once per micro-batch, on the stage that holds the
+    chunk (chunk c of stage s is virtual stage c*p + s); the head's weights live with the last chunk."""
+    sched = build("interleaved", 2, 2, 4)
+    chunks, head, mbs, params, *_ = dense_setup(4, 4)
+    seen: dict[str, list[int]] = {}
+
+    class Recording(Accumulator):
+        def add(self, stage, name, grad):
+            seen.setdefault(name, []).append(stage)
+            super().add(stage, name, grad)
+
+    got = replay(sched, list(chunks), head, mbs, Recording())
+    assert set(got.grads) == set(seen) == {w.name for w in params}
+    for w in params:
+        k = int(w.name.split(".")[0]) if w.name[0].isdigit() else 3
+        assert seen[w.name] == [k % 2] * 4, w.name
+
+
 def test_peak_stored_follows_the_schedule():
     sched = build("1f1b", 4, 1, 8)
     chunks, head, mbs, *_ = dense_setup(4, 8)
@@ -158,7 +177,21 @@ class HeadAndLoss(nn.Cell):
     def construct(self, acts, side):
         h, aux, z = acts
         labels, mask, cos, sin, bias = side
-        return self.model.head_losses(h, labels, mask, cos, sin, bias, aux, z, [])[0]
+        # head_losses stacks the expert loads, which no loss reads: one zero row keeps a model without MTP stackable
+        no_load = ops.zeros(self.model.cfg.n_routed_experts, ms.float32)
+        return self.model.head_losses(h, labels, mask, cos, sin, bias, aux, z, [no_load])[0]
+
+
+def replay_microbatches(model, batch, m: int) -> list[tuple]:
+    """The model's batch arrays (ids, labels, loss mask, segments, positions) cut into m micro-batches of
+    LayerChunk's form: (ids,) for chunk 0, (labels, mask, cos, sin, attention mask) on the side."""
+    rows = len(batch[0]) // m
+    mbs = []
+    for i in range(m):
+        ids, labels, mask, segments, positions = (Tensor(a[i * rows:(i + 1) * rows]) for a in batch)
+        cos, sin = model.rope(positions)
+        mbs.append(((ids,), (labels, mask, cos, sin, model.attention_mask(segments))))
+    return mbs
 
 
 def model_batch(model, m: int, rows: int):
@@ -169,13 +202,8 @@ def model_batch(model, m: int, rows: int):
     mask = np.ones_like(ids, dtype=np.float32)
     segments = np.repeat(np.array([[0] * (s // 2) + [1] * (s - s // 2)]), m * rows, 0).astype(np.int32)  # 2 docs
     positions = np.concatenate([np.arange(s // 2), np.arange(s - s // 2)])[None].repeat(m * rows, 0).astype(np.int32)
-    full = tuple(Tensor(a) for a in (ids, labels, mask, segments, positions))
-    mbs = []
-    for i in range(m):
-        part = [Tensor(a[i * rows:(i + 1) * rows]) for a in (ids, labels, mask, segments, positions)]
-        cos, sin = model.rope(part[4])
-        mbs.append(((part[0],), (part[1], part[2], cos, sin, model.attention_mask(part[3]))))
-    return full, mbs
+    batch = (ids, labels, mask, segments, positions)
+    return tuple(Tensor(a) for a in batch), replay_microbatches(model, batch, m)
 
 
 def test_telechat_moe_gradients_equal_plain_training():

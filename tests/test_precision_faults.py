@@ -1,6 +1,7 @@
 """Fault injection on the real TeleChatMoE: one training step run plainly and through single-process emulations
-of TP, SP, PP and EP (and DP across two msrun processes), each correct emulation agreeing with the plain step
-and each deliberately broken one caught by precision.compare at the right layer and with the right category.
+of TP, SP and EP, through the pipeline replay executor for PP (1F1B and interleaved schedules), and across two
+msrun processes for DP; each correct path agreeing with the plain step and each deliberately broken one caught
+by precision.compare at the right layer and with the right category, also with the other emulations active.
 
 Run as a script (by msrun) this file is the data-parallel worker.
 """
@@ -22,19 +23,26 @@ if str(ROOT) not in sys.path:  # as an msrun script, only tests/ is on the path
     sys.path.insert(0, str(ROOT))
 
 from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.pipeline.replay import Accumulator  # noqa: E402
+from parallel.pipeline.schedules import build  # noqa: E402
 from precision.capture import ForwardCapture, Target, grad_records, layer_of, optimizer_records  # noqa: E402
 from precision.compare import compare_runs  # noqa: E402
 from precision.dump import DumpWriter, TensorRecord, config_hash, layout_meta  # noqa: E402
 from precision.harness import align  # noqa: E402
 from precision.parallel_emulation import (ExpertParallelDispatcher, RowParallelLinear,  # noqa: E402
-                                          accumulate_micro_batches, all_gather_batch, all_reduce_mean,
+                                          all_gather_batch, all_reduce_mean, pipeline_step,
                                           sequence_shard_positions, sharded_rope_tables, swap_cell)
 from precision.signatures import Risk  # noqa: E402
 from telechat_moe.config import ModelConfig  # noqa: E402
 from telechat_moe.model import TeleChatMoE  # noqa: E402
 from telechat_moe.optim import build_adamw  # noqa: E402
+from test_pipeline_replay import HeadAndLoss, LayerChunk, replay_microbatches  # noqa: E402
 
 BATCH, SEQ, TP, SP_SHARDS, EP, MICRO = 2, 8, 2, 2, 2, 2
+PP, PP_FAULTY_STAGE = 2, 0
+# schedule -> (chunks per stage, bounds): chunk k holds decoder layers [bounds[k], bounds[k+1]) (chunk 0 also the
+# embedding, the last one the head) and runs on stage k % PP
+PIPELINES = {"1f1b": (1, (0, 2, 3)), "interleaved": (2, (0, 1, 2, 3, 3))}
 
 
 def tiny_config() -> ModelConfig:
@@ -45,12 +53,12 @@ def tiny_config() -> ModelConfig:
                        moe_shared_expert_intermediate_size=16, num_nextn_predict_layers=0, initializer_range=0.1)
 
 
-def make_batch(seed: int = 0) -> tuple[np.ndarray, ...]:
+def make_batch(rows: int = BATCH, seed: int = 0) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 64, (BATCH, SEQ)).astype(np.int32)
+    ids = rng.integers(0, 64, (rows, SEQ)).astype(np.int32)
     labels = np.roll(ids, -1, axis=1)
-    return (ids, labels, np.ones((BATCH, SEQ), np.float32), np.zeros((BATCH, SEQ), np.int32),
-            np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1)))
+    return (ids, labels, np.ones((rows, SEQ), np.float32), np.zeros((rows, SEQ), np.int32),
+            np.tile(np.arange(SEQ, dtype=np.int32), (rows, 1)))
 
 
 def initial_weights(cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -81,25 +89,23 @@ def capture_targets(cfg: ModelConfig) -> dict[str, Target]:
     return targets
 
 
-def train_step(model: TeleChatMoE, batch, micro_batches: int = 1, reduce_grads=None, gather=None):
-    """One step: forward records, loss, gradients and AdamW states, as TensorRecords. `reduce_grads(names,
-    grads)` and `gather(array)` are the data-parallel hooks."""
+def train_step(model: TeleChatMoE, batch, schedule=None, accumulator=None, reduce_grads=None, gather=None):
+    """One step: forward records, loss, gradients and AdamW states, as TensorRecords. With a pipeline
+    `schedule`, the loss and gradients come from the replay executor (its micro-batches' gradients summed by
+    `accumulator`); `reduce_grads(names, grads)` and `gather(array)` are the data-parallel hooks."""
     cfg = model.cfg
     params = model.trainable_params()
     names = [p.name for p in params]
-
-    def loss_fn(*inputs):
-        return model(*inputs)[0]
-    grad_fn = ms.value_and_grad(loss_fn, None, params)
-    tensors = [Tensor(x) for x in batch]
     with ForwardCapture(model, capture_targets(cfg)) as capture:
-        if micro_batches == 1:
-            loss, grads = grad_fn(*tensors)
+        if schedule is None:
+            loss, grads = ms.value_and_grad(lambda *x: model(*x)[0], None, params)(*(Tensor(x) for x in batch))
             loss = float(loss)
         else:
-            rows = BATCH // micro_batches
-            loss, grads = accumulate_micro_batches(
-                grad_fn, [[t[i * rows:(i + 1) * rows] for t in tensors] for i in range(micro_batches)])
+            bounds = PIPELINES[schedule.name][1]
+            chunks = [LayerChunk(model, bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+            result = pipeline_step(schedule, chunks, HeadAndLoss(model),
+                                   replay_microbatches(model, batch, schedule.microbatches), capture, accumulator)
+            loss, grads = result.loss, [Tensor(result.grads[n]) for n in names]
     if reduce_grads:
         grads, loss = reduce_grads(names, grads, loss)
     optimizer = build_adamw(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -180,15 +186,23 @@ def apply_ep(model, faulty_layer=None):
             model.layers[i].mlp.dispatcher = kind(cfg.n_routed_experts, cfg.num_experts_per_tok, EP)
 
 
-def pp_stage0_divided_twice(names, grads, loss):
-    """FAULT: the first pipeline stage (embedding, layers 0-1) divides its accumulated gradients by m again."""
-    stage0 = [n.startswith("embed_tokens") or layer_of(n) in (0, 1) for n in names]
-    return [g / MICRO if s else g for g, s in zip(grads, stage0)], loss
+class DividedTwice(Accumulator):
+    """FAULT: one stage divides each micro-batch gradient by the micro-batch count, on top of the 1/m that the
+    mean loss already brought into the backward."""
+
+    def __init__(self, stage: int, microbatches: int):
+        super().__init__()
+        self.stage, self.microbatches = stage, microbatches
+
+    def add(self, stage, name, grad):
+        super().add(stage, name, grad / self.microbatches if stage == self.stage else grad)
 
 
 LAYOUTS = {"plain": ParallelLayout(), "tp": ParallelLayout(tp=TP), "sp": ParallelLayout(tp=TP, sp=True),
-           "ep": ParallelLayout(dp=EP, ep=EP), "pp": ParallelLayout(pp=2, micro_batch_num=MICRO),
-           "all": ParallelLayout(tp=TP, sp=True, ep=EP, pp=2, micro_batch_num=MICRO),
+           "ep": ParallelLayout(dp=EP, ep=EP), "1f1b": ParallelLayout(pp=PP, micro_batch_num=MICRO),
+           "interleaved": ParallelLayout(pp=PP, vpp=2, micro_batch_num=MICRO),
+           "all": ParallelLayout(tp=TP, sp=True, ep=EP, pp=PP, micro_batch_num=MICRO),
+           "combined": ParallelLayout(tp=TP, sp=True, ep=EP, pp=PP, vpp=2, micro_batch_num=2 * MICRO),
            "dp": ParallelLayout(dp=2)}
 
 
@@ -199,25 +213,31 @@ def meta(cfg, layout_name):
 CELL_EMULATIONS = {"tp": apply_tp, "sp": apply_sp, "ep": apply_ep}
 
 
-def make_step(cfg, weights, batch, changes=(), faulty_layer=None):
-    """A step callable with the named emulations applied ('tp', 'sp', 'ep', 'pp'), each broken in
-    `faulty_layer` when its name ends in '!' (for 'pp!', the first stage's accumulation)."""
+def make_step(cfg, weights, batch, changes=(), faulty_layer=None, schedule="1f1b"):
+    """A step callable with the named emulations applied ('tp', 'sp', 'ep', and 'pp': the pipeline `schedule`
+    over PP stages, one micro-batch per batch row), each broken in `faulty_layer` when its name ends in '!' (for
+    'pp!', the accumulation of stage PP_FAULTY_STAGE, whatever layers it holds)."""
     def step():
         model = build_model(cfg, weights)
         for change in changes:
             if change.rstrip("!") in CELL_EMULATIONS:
                 CELL_EMULATIONS[change.rstrip("!")](model, faulty_layer if change.endswith("!") else None)
-        micro = MICRO if any(c.startswith("pp") for c in changes) else 1
-        return train_step(model, batch, micro, pp_stage0_divided_twice if "pp!" in changes else None)
+        if not any(c.startswith("pp") for c in changes):
+            return train_step(model, batch)
+        m = len(batch[0])
+        faulty = DividedTwice(PP_FAULTY_STAGE, m) if "pp!" in changes else None
+        return train_step(model, batch, build(schedule, PP, PIPELINES[schedule][0], m), faulty)
     return step
 
 
 # ---- tests ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup():
-    ms.set_context(mode=ms.PYNATIVE_MODE)
+    # synchronous op dispatch: on a busy 2-core machine the asynchronous dispatch threads slow each small op down
+    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     cfg = tiny_config()
-    return cfg, initial_weights(cfg), make_batch()
+    yield cfg, initial_weights(cfg), make_batch()
+    ms.set_context(pynative_synchronize=False)
 
 
 @pytest.fixture(scope="module")
@@ -239,19 +259,45 @@ def test_identical_runs_and_correct_emulations_agree(setup, reference_dump, tmp_
     assert max(r.max_rel_error for r in emulated.rows) > 0  # the emulations really computed differently
 
 
+def assert_localised(report, name, layer, risk):
+    assert report.first is not None, "not caught"
+    assert (report.first.entry.name, report.first.entry.layer) == (name, layer), report.diagnosis
+    assert report.diagnosis.risk is risk, report.diagnosis.evidence
+
+
 @pytest.mark.parametrize("change,layout,layer,name,risk", [
     ("tp!", "tp", 1, "layers.1.self_attn", Risk.TP),
     ("sp!", "sp", 2, "layers.2.self_attn", Risk.SP),
     ("ep!", "ep", 2, "layers.2.mlp", Risk.EP),
-    ("pp!", "pp", 1, "grad.layers.1.mlp.shared_experts.down_proj.weight", Risk.PP),
 ])
 def test_fault_is_localised(setup, reference_dump, tmp_path, change, layout, layer, name, risk):
     cfg, weights, batch = setup
     report = align(reference_dump, make_step(cfg, weights, batch, (change,), faulty_layer=layer), tmp_path,
                    meta(cfg, "plain"), meta(cfg, layout))
-    assert report.first is not None, f"{change}: not caught"
-    assert (report.first.entry.name, report.first.entry.layer) == (name, layer), report.diagnosis
-    assert report.diagnosis.risk is risk, report.diagnosis.evidence
+    assert_localised(report, name, layer, risk)
+
+
+# The faulty stage's last layer is the first gradient the comparison meets walking backwards: layer 1 when stage
+# 0 holds layers 0-1 (1F1B), layer 2 when it holds chunks 0 and 2 = layers 0 and 2 (interleaved).
+@pytest.mark.parametrize("schedule,layer", [("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_accumulation_fault_is_localised(setup, reference_dump, tmp_path, schedule, layer):
+    cfg, weights, batch = setup
+    report = align(reference_dump, make_step(cfg, weights, batch, ("pp!",), schedule=schedule), tmp_path,
+                   meta(cfg, "plain"), meta(cfg, schedule))
+    assert_localised(report, f"grad.layers.{layer}.mlp.shared_experts.down_proj.weight", layer, Risk.PP)
+
+
+def test_pipeline_fault_among_all_emulations(setup, tmp_path):
+    """TP, SP and EP emulated while 4 micro-batches go through the interleaved pipeline (2 stages x 2 chunks)
+    whose stage 0 divides twice: the error every emulation adds is drift, the PP fault is still named PP (a
+    factor of 1/micro_batch_num, which no degree of 2 explains) at stage 0's last layer."""
+    cfg, weights, _ = setup
+    batch = make_batch(2 * MICRO)
+    report = align(make_step(cfg, weights, batch), make_step(cfg, weights, batch, ("tp", "sp", "ep", "pp!"),
+                                                             schedule="interleaved"),
+                   tmp_path, meta(cfg, "plain"), meta(cfg, "combined"))
+    assert_localised(report, "grad.layers.2.mlp.shared_experts.down_proj.weight", 2, Risk.PP)
+    assert any(r.max_rel_error > 0 for r in report.rows if r.entry.kind == "forward")  # emulations were active
 
 
 # ---- DP: two processes under msrun -------------------------------------------------------------------------

@@ -18,11 +18,17 @@ Contract (plain MindSpore Cells, nothing model-specific):
   labels), which are not differentiated.
 A parameter shared by several chunks (a tied embedding) receives the sum of their gradients, as the all-reduce
 between the stages that hold its copies would give.
+
+Two hooks serve the alignment harness (precision/): every parameter gradient of a backward goes through
+`Accumulator.add`, so a test breaks a stage's accumulation by overriding that one method; and each backward's
+re-run of its chunk's forward runs inside `recompute()`, where a forward capture can stand aside so that a dump
+holds each forward pass once.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import numpy as np
 
@@ -42,7 +48,21 @@ class ReplayError(ValueError):
     """Chunks, micro-batches and schedule do not fit together."""
 
 
-def replay(schedule: Schedule, chunks: Sequence, loss_fn: Callable, microbatches: Sequence[tuple]) -> ReplayResult:
+class Accumulator:
+    """The stages' gradient accumulators: per parameter, the sum of its micro-batch gradients. The 1/m of the mean
+    loss has already entered once, through the last chunk's backward, so nothing is divided here."""
+
+    def __init__(self):
+        self.grads: dict[str, np.ndarray] = {}
+
+    def add(self, stage: int, name: str, grad: np.ndarray) -> None:
+        """Add one backward's gradient of parameter `name`, computed on `stage`."""
+        self.grads[name] = self.grads[name] + grad if name in self.grads else grad
+
+
+def replay(schedule: Schedule, chunks: Sequence, loss_fn: Callable, microbatches: Sequence[tuple],
+           accumulator: Accumulator | None = None,
+           recompute: Callable[[], ContextManager] = nullcontext) -> ReplayResult:
     import mindspore as ms
     from mindspore import Tensor
 
@@ -61,7 +81,7 @@ def replay(schedule: Schedule, chunks: Sequence, loss_fn: Callable, microbatches
         if owner.setdefault(w.name, id(w)) != id(w):
             raise ReplayError(f"two different parameters are named {w.name!r}: build the chunks inside one Cell "
                               f"(e.g. an nn.CellList) so that MindSpore gives them unique names")
-    grads: dict[str, np.ndarray] = {}
+    accumulator = Accumulator() if accumulator is None else accumulator
     sent: dict[tuple[int, int], tuple] = {}  # (mb, k) -> activations from chunk k, waiting for chunk k+1
     returned: dict[tuple[int, int], tuple] = {}  # (mb, k) -> gradient w.r.t. chunk k's inputs, for chunk k-1
     stored: dict[tuple[int, int], tuple] = {}  # (mb, k) -> chunk k's input activations, on chunk k's stage
@@ -95,16 +115,16 @@ def replay(schedule: Schedule, chunks: Sequence, loss_fn: Callable, microbatches
                 acts = stored.pop(key)
                 held[s] -= 1
                 sens = (scale,) if k == last else returned.pop((a.microbatch, k + 1))
-                _, vjp_fn = ms.vjp(forward_fn(k, side), *acts, weights=weights[k] or None)
+                with recompute():
+                    _, vjp_fn = ms.vjp(forward_fn(k, side), *acts, weights=weights[k] or None)
                 result = vjp_fn(sens)
                 input_grads, weight_grads = result if weights[k] else (result, ())
                 for w, g in zip(weights[k], weight_grads):
-                    g = g.asnumpy()
-                    grads[w.name] = grads[w.name] + g if w.name in grads else g
+                    accumulator.add(s, w.name, g.asnumpy())
                 if k > 0:
                     returned[key] = tuple(input_grads) if isinstance(input_grads, tuple) else (input_grads,)
             trace.append((s, a))
     if stored or sent or returned:
         raise ReplayError("activations or gradients left over after the schedule: it does not close")
-    return ReplayResult(float(np.mean([losses[i] for i in range(m)])), [losses[i] for i in range(m)], grads, trace,
-                        tuple(peak))
+    ordered = [losses[i] for i in range(m)]
+    return ReplayResult(float(np.mean(ordered)), ordered, accumulator.grads, trace, tuple(peak))
