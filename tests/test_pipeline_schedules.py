@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from parallel.pipeline.schedules import (Action, Kind, Schedule, ScheduleError, build, gpipe, interleaved_1f1b,
-                                         one_f_one_b, overlapped_1f1b, validate)
+from parallel.pipeline.schedules import (Action, Kind, Schedule, ScheduleError, build, dependencies, gpipe,
+                                         interleaved_1f1b, one_f_one_b, overlapped_1f1b, validate)
 from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
 
 GRID = [(p, v, m) for p in (2, 4, 8) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)]
@@ -46,17 +46,45 @@ def test_activations_in_flight():
     assert validate(gpipe(p, m)).peak_in_flight == (m,) * p
     assert validate(interleaved_1f1b(p, v, m)).peak_in_flight == tuple(2 * (p - s - 1) + (v - 1) * p + 1
                                                                        for s in range(p))
+    # the overlapped schedule holds one more: the extra warm-up forward that frees its pairs from each other
+    assert validate(overlapped_1f1b(p, v, m)).peak_in_flight == tuple(2 * (p - s - 1) + (v - 1) * p + 2
+                                                                      for s in range(p))
     # memory from the simulator agrees with the count when each chunk holds 1/v of a stage's activations
     r = simulate(interleaved_1f1b(p, v, m), StageCosts.uniform(p, v, activation=1.0))
     assert r.peak_activation == pytest.approx([n / v for n in validate(r.schedule).peak_in_flight])
 
 
-def test_overlapped_pairs_forward_and_backward_of_different_microbatches():
-    s = overlapped_1f1b(4, 2, 8)
-    for stage in range(4):
-        assert s.pairs[stage], "steady state must pair passes"
+def steady_steps(schedule, stage):
+    """Adjacent (forward, backward) of the steady state: the candidates for fusing."""
+    acts = schedule.actions[stage]
+    first_b = next(i for i, a in enumerate(acts) if a.kind is Kind.B)
+    return [i for i in range(first_b - 1, len(acts) - 1, 2) if acts[i].kind is Kind.F and acts[i + 1].kind is Kind.B]
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 3, 8), (4, 4, 16), (8, 2, 16), (3, 2, 6), (4, 1, 8)])
+def test_overlapped_pairs_forward_and_backward_of_different_passes(p, v, m):
+    s = overlapped_1f1b(p, v, m)
+    fused = 0
+    for stage in range(p):
         for f, b in (slot for slot in s.slots(stage) if len(slot) == 2):
             assert f.kind is Kind.F and b.kind is Kind.B and f.microbatch != b.microbatch
+            assert v == 1 or f.chunk != b.chunk, f"stage {stage}: {f}+{b} share a chunk"
+        # every steady-state step whose two passes differ in chunk is fused, and only those
+        for i in steady_steps(s, stage):
+            a, b = s.actions[stage][i], s.actions[stage][i + 1]
+            assert (i in s.pairs[stage]) == (v == 1 or a.chunk != b.chunk), (stage, a, b)
+        fused += len(s.pairs[stage])
+    assert fused > 0
+    if v == 1:
+        assert fused == sum(len(steady_steps(s, stage)) for stage in range(p))
+
+
+def test_overlapped_fuses_half_the_steps_for_two_chunks_on_four_stages():
+    # Megatron's runs of p passes of one chunk, their offset shifted by two passes per stage: 16 of the 32
+    # steady-state steps pair different chunks (counted by hand from the stage lists)
+    s = overlapped_1f1b(4, 2, 8)
+    assert [len(s.pairs[stage]) for stage in range(4)] == [2, 6, 6, 2]
+    assert [len(steady_steps(s, stage)) for stage in range(4)] == [5, 7, 9, 11]
 
 
 def test_overlap_hides_communication():
@@ -77,6 +105,47 @@ def test_p2p_latency_by_hand():
     r = simulate(gpipe(2, 1), costs)
     assert r.step_time == pytest.approx(6.5)
     assert r.bubble_ratio == pytest.approx(1 - (6.0 + 0.5) / (2 * 6.5))  # blocking sends count as exposed comm
+
+
+def test_async_p2p_by_hand():
+    # as above, but the sends run on their own stream: the same latency, yet the compute stream is free meanwhile,
+    # and each transfer is an interval of the timeline
+    acts = (Action(Kind.F, 0), Action(Kind.B, 0))
+    costs = StageCosts(((1.0,), (1.0,)), ((2.0,), (2.0,)), p2p=0.25)
+    r = simulate(Schedule("async", 2, 1, 1, (acts, acts), async_p2p=True), costs)
+    assert r.step_time == pytest.approx(6.5)
+    assert r.exposed_comm == (0.0, 0.0)
+    assert r.bubble_ratio == pytest.approx(1 - 6.0 / (2 * 6.5))
+    sends = [(iv.stage, iv.start, iv.end, str(iv.actions[0])) for iv in r.intervals if iv.kind == "p2p-async"]
+    assert sends == [(0, 1.0, 1.25, "F0"), (1, 4.25, 4.5, "B0")]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "overlapped"])
+def test_timeline_holds_every_transfer(name):
+    p2p = 0.05
+    s = build(name, 4, 2, 8)
+    r = simulate(s, StageCosts.uniform(4, s.chunks, p2p=p2p, comm_fraction=0.3))
+    units = {(iv.stage, a): iv for iv in r.intervals if not iv.kind.startswith("p2p") for a in iv.actions}
+    sends = {}
+    for iv in r.intervals:
+        if iv.kind.startswith("p2p"):
+            assert iv.kind == ("p2p-async" if s.async_p2p else "p2p")
+            for a in iv.actions:
+                sends[(iv.stage, a)] = iv
+    received = 0
+    for (stage, a), unit in units.items():
+        for t, dep in dependencies(s, stage, a):
+            if t == stage:
+                continue
+            send = sends[(t, dep)]  # a transfer for every edge between stages, after its sender, before its receiver
+            assert units[(t, dep)].end <= send.start + 1e-12 and send.end <= unit.start + 1e-12
+            assert send.end - send.start == pytest.approx(p2p * (1 if s.async_p2p else len(send.actions)))
+            received += 1
+    assert received == len(sends) == sum(1 for (t, _) in sends)
+    # transfers on their own stream cost the compute stream nothing: the bubble counts compute and exposed a2a only
+    busy = sum(iv.end - iv.start for iv in r.intervals if not iv.kind.startswith("p2p"))
+    blocking = sum(iv.end - iv.start for iv in r.intervals if iv.kind == "p2p")
+    assert r.bubble_ratio == pytest.approx(1 - (busy + blocking) / (4 * r.step_time))
 
 
 def test_validator_rejects_broken_schedules():
@@ -101,6 +170,13 @@ def test_validator_rejects_broken_schedules():
     with pytest.raises(ScheduleError, match="pair"):
         validate(with_stage0([Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)],
                              pairs=(frozenset({0}), frozenset())))
+    # with several chunks a fused pair must come from two of them
+    two = interleaved_1f1b(2, 2, 2)
+    stage0 = two.actions[0]
+    i = next(i for i in range(len(stage0) - 1) if stage0[i].kind is F and stage0[i + 1].kind is B)
+    assert stage0[i].chunk == stage0[i + 1].chunk
+    with pytest.raises(ScheduleError, match="shares chunk"):
+        validate(Schedule("bad", 2, 2, 2, two.actions, (frozenset({i}), frozenset())))
 
 
 def test_builders_reject_bad_sizes():

@@ -7,7 +7,9 @@ Timing model (per stage one compute stream):
   cannot cover: cF + cB + max(0, aF - cB) + max(0, aB - cF);
 - a point-to-point transfer to the neighbouring stage takes `p2p` seconds; the receiver may start `p2p` after the
   sender finished. Unless the schedule runs transfers on their own stream (`async_p2p`), the sender's stream is
-  busy for that time too (blocking send, as in non-overlapped 1F1B).
+  busy for that time too (blocking send, as in non-overlapped 1F1B). Either way every transfer is an interval of
+  the timeline: a blocking one on the compute stream, an asynchronous one on the stage's communication stream,
+  where it costs the compute stream nothing (it counts neither as compute nor as exposed communication).
 Activation memory of (stage, chunk) is held from the start of its forward to the end of its backward.
 """
 from __future__ import annotations
@@ -54,8 +56,8 @@ class Interval:
     stage: int
     start: float
     end: float
-    kind: str  # "F", "B", "FB" (overlapped pair) or "p2p" (blocking send)
-    actions: tuple[Action, ...]
+    kind: str  # "F", "B", "FB" (overlapped pair), "p2p" (blocking send) or "p2p-async" (on the comm stream)
+    actions: tuple[Action, ...]  # for a transfer: the passes whose outputs it sends
     compute: float = 0.0  # of end - start, the part spent computing; the rest waited on communication
 
 
@@ -121,13 +123,16 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             start_of[(s, a)] = ready
             finish[(s, a)] = end
         free[s] = end
-        if not schedule.async_p2p:
-            n = sum(_sends(schedule, s, a) for a in slot)
-            if n and costs.p2p:
-                intervals.append(Interval(s, end, end + n * costs.p2p, "p2p", slot))
+        sending = tuple(a for a in slot if _sends(schedule, s, a))
+        if sending and costs.p2p:
+            if schedule.async_p2p:  # each transfer on the communication stream, concurrently with the next unit
+                intervals += [Interval(s, end, end + costs.p2p, "p2p-async", (a,)) for a in sending]
+            else:
+                n = len(sending)
+                intervals.append(Interval(s, end, end + n * costs.p2p, "p2p", sending))
                 free[s] = end + n * costs.p2p
                 exposed[s] += n * costs.p2p
-    step = max(free)
+    step = max(free)  # every transfer ends before the compute that receives it
     peak = []
     for s in range(p):
         events = []
@@ -146,7 +151,10 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
 
 def gantt(result: SimResult, path: str, title: str | None = None) -> None:
     """Write a Gantt chart PNG: one row per stage, colour per chunk, light forward, dark backward; an overlapped
-    pair is drawn as a forward half over a backward half; exposed communication and blocking sends hatched."""
+    pair is drawn as a forward half over a backward half; exposed communication and blocking sends hatched. With
+    asynchronous transfers each stage gets a thin communication row under its compute row: activations sent on
+    above, gradients sent back below, each drawn at least 0.3% of the step wide so that a short one stays
+    visible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,38 +163,53 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
 
     sched = result.schedule
     cmap = plt.get_cmap("tab10")
+    comm_row = any(iv.kind == "p2p-async" for iv in result.intervals)
+    # (bottom, height) of a stage's compute band and of its communication row, relative to the row's bottom
+    band, comm = ((0.32, 0.62), (0.04, 0.22)) if comm_row else ((0.1, 0.8), None)
     fig, ax = plt.subplots(figsize=(max(8.0, 0.22 * len(sched.actions[0]) + 2), 0.6 * sched.stages + 1.6))
     for iv in result.intervals:
         y = sched.stages - 1 - iv.stage
         width = iv.end - iv.start
         if iv.kind == "p2p":
-            ax.broken_barh([(iv.start, width)], (y + 0.1, 0.8), facecolors="lightgrey", hatch="///",
+            ax.broken_barh([(iv.start, width)], (y + band[0], band[1]), facecolors="lightgrey", hatch="///",
                            edgecolor="grey", linewidth=0.3)
             continue
-        halves = [(a, (y + 0.5, 0.4) if len(iv.actions) == 2 and n == 0 else
-                   (y + 0.1, 0.4) if len(iv.actions) == 2 else (y + 0.1, 0.8))
+        if iv.kind == "p2p-async":
+            a = iv.actions[0]
+            half = comm[1] / 2
+            ax.broken_barh([(iv.start, max(width, 0.003 * result.step_time))],
+                           (y + comm[0] + (half if a.kind is Kind.F else 0.0), half),
+                           facecolors=[cmap(a.chunk % 10)], alpha=0.45 if a.kind is Kind.F else 1.0,
+                           edgecolor="black", linewidth=0.2)
+            continue
+        pair = len(iv.actions) == 2
+        halves = [(a, (y + band[0] + band[1] / 2, band[1] / 2) if pair and n == 0 else
+                   (y + band[0], band[1] / 2) if pair else (y + band[0], band[1]))
                   for n, a in enumerate(iv.actions)]
-        for a, band in halves:
+        for a, (bottom, height) in halves:
             color = cmap(a.chunk % 10)
             alpha = 0.45 if a.kind is Kind.F else 1.0
-            ax.broken_barh([(iv.start, width)], band, facecolors=[color], alpha=alpha, edgecolor="black",
-                           linewidth=0.4)
+            ax.broken_barh([(iv.start, width)], (bottom, height), facecolors=[color], alpha=alpha,
+                           edgecolor="black", linewidth=0.4)
             if width - iv.compute > 1e-12:  # the stream waited on this pass's communication
-                ax.broken_barh([(iv.start + iv.compute, width - iv.compute)], band, facecolors="none",
+                ax.broken_barh([(iv.start + iv.compute, width - iv.compute)], (bottom, height), facecolors="none",
                                hatch="xxx", edgecolor="white", linewidth=0)
             if width > 0.012 * result.step_time:
-                ax.text(iv.start + width / 2, band[0] + band[1] / 2, str(a.microbatch), ha="center",
-                        va="center", fontsize=6 if len(iv.actions) == 2 else 7)
-    ax.set_yticks([sched.stages - 1 - s + 0.5 for s in range(sched.stages)])
+                ax.text(iv.start + width / 2, bottom + height / 2, str(a.microbatch), ha="center",
+                        va="center", fontsize=6 if pair else 7)
+    ax.set_yticks([sched.stages - 1 - s + band[0] + band[1] / 2 for s in range(sched.stages)])
     ax.set_yticklabels([f"stage {s}" for s in range(sched.stages)])
     ax.set_xlim(0, result.step_time)
     ax.set_xlabel("time")
     legend = [Patch(facecolor=cmap(c % 10), alpha=0.45, label=f"F chunk {c}") for c in range(sched.chunks)]
     legend += [Patch(facecolor=cmap(c % 10), label=f"B chunk {c}") for c in range(sched.chunks)]
-    if any(iv.kind != "p2p" and iv.end - iv.start - iv.compute > 1e-12 for iv in result.intervals):
+    if any(not iv.kind.startswith("p2p") and iv.end - iv.start - iv.compute > 1e-12 for iv in result.intervals):
         legend.append(Patch(facecolor="grey", hatch="xxx", edgecolor="white", label="exposed all-to-all"))
     if any(iv.kind == "p2p" for iv in result.intervals):
         legend.append(Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="blocking send"))
+    if comm_row:
+        legend.append(Patch(facecolor="white", edgecolor="black",
+                            label="thin row: async send (activations above, gradients below)"))
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(7, len(legend)),
               fontsize=7, frameon=False)
     ax.set_title(title or f"{sched.name}: p={sched.stages} v={sched.chunks} m={sched.microbatches}  "
