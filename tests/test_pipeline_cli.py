@@ -35,3 +35,12 @@ def test_bad_arguments_one_line_rc2(args, field):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
+
+
+def test_gantt_dir_writes_one_png_per_schedule(tmp_path):
+    out = run("--p", "4", "--v", "2", "--m", "8", "--gantt-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    for name in ("1f1b", "interleaved", "overlapped"):
+        path = tmp_path / f"pipeline_{name}.png"
+        assert f"wrote {path}" in out.stdout
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -141,7 +141,7 @@ def test_timeline_holds_every_transfer(name):
             assert units[(t, dep)].end <= send.start + 1e-12 and send.end <= unit.start + 1e-12
             assert send.end - send.start == pytest.approx(p2p * (1 if s.async_p2p else len(send.actions)))
             received += 1
-    assert received == len(sends) == sum(1 for (t, _) in sends)
+    assert received == len(sends)  # and no transfer without a receiver
     # transfers on their own stream cost the compute stream nothing: the bubble counts compute and exposed a2a only
     busy = sum(iv.end - iv.start for iv in r.intervals if not iv.kind.startswith("p2p"))
     blocking = sum(iv.end - iv.start for iv in r.intervals if iv.kind == "p2p")

@@ -151,10 +151,10 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
 
 def gantt(result: SimResult, path: str, title: str | None = None) -> None:
     """Write a Gantt chart PNG: one row per stage, colour per chunk, light forward, dark backward; an overlapped
-    pair is drawn as a forward half over a backward half; exposed communication and blocking sends hatched. With
-    asynchronous transfers each stage gets a thin communication row under its compute row: activations sent on
-    above, gradients sent back below, each drawn at least 0.3% of the step wide so that a short one stays
-    visible."""
+    pair is drawn as a forward half over a backward half; exposed communication and blocking sends hatched. Every
+    point-to-point transfer also appears on a thin communication row under its stage's compute row (activations
+    sent on above, gradients sent back below), drawn at least 0.3% of the step wide so that a short one stays
+    visible; a blocking send shows there and as the hatched gap it leaves on the compute row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,24 +163,24 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
 
     sched = result.schedule
     cmap = plt.get_cmap("tab10")
-    comm_row = any(iv.kind == "p2p-async" for iv in result.intervals)
+    comm_row = any(iv.kind.startswith("p2p") for iv in result.intervals)
     # (bottom, height) of a stage's compute band and of its communication row, relative to the row's bottom
     band, comm = ((0.32, 0.62), (0.04, 0.22)) if comm_row else ((0.1, 0.8), None)
     fig, ax = plt.subplots(figsize=(max(8.0, 0.22 * len(sched.actions[0]) + 2), 0.6 * sched.stages + 1.6))
     for iv in result.intervals:
         y = sched.stages - 1 - iv.stage
         width = iv.end - iv.start
-        if iv.kind == "p2p":
-            ax.broken_barh([(iv.start, width)], (y + band[0], band[1]), facecolors="lightgrey", hatch="///",
-                           edgecolor="grey", linewidth=0.3)
-            continue
-        if iv.kind == "p2p-async":
-            a = iv.actions[0]
-            half = comm[1] / 2
-            ax.broken_barh([(iv.start, max(width, 0.003 * result.step_time))],
-                           (y + comm[0] + (half if a.kind is Kind.F else 0.0), half),
-                           facecolors=[cmap(a.chunk % 10)], alpha=0.45 if a.kind is Kind.F else 1.0,
-                           edgecolor="black", linewidth=0.2)
+        if iv.kind.startswith("p2p"):
+            if iv.kind == "p2p":
+                ax.broken_barh([(iv.start, width)], (y + band[0], band[1]), facecolors="lightgrey", hatch="///",
+                               edgecolor="grey", linewidth=0.3)
+            each = width / len(iv.actions)  # a blocking interval holds its unit's sends one after the other
+            for n, a in enumerate(iv.actions):
+                half = comm[1] / 2
+                ax.broken_barh([(iv.start + n * each, max(each, 0.003 * result.step_time))],
+                               (y + comm[0] + (half if a.kind is Kind.F else 0.0), half),
+                               facecolors=[cmap(a.chunk % 10)], alpha=0.45 if a.kind is Kind.F else 1.0,
+                               edgecolor="black", linewidth=0.2)
             continue
         pair = len(iv.actions) == 2
         halves = [(a, (y + band[0] + band[1] / 2, band[1] / 2) if pair and n == 0 else
@@ -209,8 +209,8 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
         legend.append(Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="blocking send"))
     if comm_row:
         legend.append(Patch(facecolor="white", edgecolor="black",
-                            label="thin row: async send (activations above, gradients below)"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(7, len(legend)),
+                            label="p2p send (thin row: activations above, gradients below)"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(4, len(legend)),
               fontsize=7, frameon=False)
     ax.set_title(title or f"{sched.name}: p={sched.stages} v={sched.chunks} m={sched.microbatches}  "
                  f"step {result.step_time:.2f}  bubble {100 * result.bubble_ratio:.1f}%", fontsize=9)
