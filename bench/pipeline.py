@@ -4,9 +4,12 @@ optionally the Gantt charts, and the layer placement of a recipe (balanced again
     .venv/bin/python bench/pipeline.py                                   # the grid table
     .venv/bin/python bench/pipeline.py --gantt-dir docs/img              # + docs/img/pipeline_*.png (p=4, v=2, m=8)
     .venv/bin/python bench/pipeline.py --recipe recipes/1t.yaml          # + placement of the 1t layout
+    .venv/bin/python bench/pipeline.py --p 16 --v 2 --m 64 --recipe recipes/1t.yaml --cluster ascend910b
 
-Costs per stage and micro-batch: forward 1, backward 2 (time units), split evenly over the stage's chunks; an
+Grid costs per stage and micro-batch: forward 1, backward 2 (time units), split evenly over the stage's chunks; an
 in-pass communication (the expert all-to-all) of --comm-fraction of compute and a point-to-point transfer of --p2p.
+The placement takes its costs from the planner's cost model for the recipe's layout on --cluster and its memory
+limit from the recipe's context.max_device_memory_gb (else the cluster's usable memory).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from telechat_moe.errors import OneLineParser  # noqa: E402
 
-from parallel.pipeline.placement import PlacementError, PlacementOptions, balance, equal_layer_split  # noqa: E402
+from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, equal_layer_split,  # noqa: E402
+                                         memory_limit, placement_p2p, planner_units, recipe_workload)
 from parallel.pipeline.schedules import ScheduleError, build, validate  # noqa: E402
 from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble  # noqa: E402
 
@@ -81,37 +85,41 @@ def write_gantts(directory: str, comm: float, p2p: float) -> list[str]:
     return paths
 
 
-def placement_report(recipe_path: str) -> list[str]:
-    from parallel.pipeline.placement import telechat_units
+def placement_report(recipe_path: str, cluster: str) -> list[str]:
     from telechat_moe.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
-
-    shape, layout = recipe.model.to_model_shape(), recipe.layout
+    w, row = recipe_workload(recipe, cluster)
+    limit = memory_limit(recipe, w)
+    layout = recipe.layout
     name = "interleaved" if layout.vpp > 1 else "1f1b"
     sched = build(name, layout.pp, layout.vpp, layout.micro_batch_num)
     in_flight = validate(sched).peak_in_flight_by_chunk
-    lines = [f"placement of {recipe_path}: {layout.describe()}, {name} schedule"]
-    for options in (PlacementOptions(), PlacementOptions(mtp_apart_from_head=True),
-                    PlacementOptions(mtp_apart_from_head=True, mtp_embedding_on_first_stage=True)):
-        units = telechat_units(shape, layout, tokens=shape.seq_length, recompute=recipe.recompute_config.recompute,
-                               options=options)
+    p2p = placement_p2p(w, row)
+    gib = 2 ** 30
+    lines = [f"placement of {recipe_path} on {cluster} (planner cost model): {layout.describe()}, {name} schedule, "
+             f"memory limit {limit / gib:.1f} GiB"]
+    for options in (PlacementOptions(memory_limit=limit),
+                    PlacementOptions(mtp_apart_from_head=True, memory_limit=limit),
+                    PlacementOptions(mtp_apart_from_head=True, mtp_embedding_on_first_stage=True, memory_limit=limit)):
+        units = planner_units(w, row, options)
         start = time.perf_counter()
         balanced = balance(units, layout.pp, layout.vpp, options, in_flight)
         solve = time.perf_counter() - start
         naive = equal_layer_split(units, layout.pp, layout.vpp, in_flight)
-        steps = []
-        for pl in (naive, balanced):
-            fwd, bwd = pl.chunk_times()
-            steps.append(simulate(sched, StageCosts(fwd, bwd)).step_time)
+        sims = [simulate(sched, pl.stage_costs(p2p)) for pl in (naive, balanced)]
         label = (f"mtp {'apart from' if options.mtp_apart_from_head else 'with'} head"
                  + (", mtp embedding on stage 0" if options.mtp_embedding_on_first_stage else ""))
-        lines.append(f"  {label:<45} slowest/mean: balanced {balanced.slowest_over_mean:.4f}  "
-                     f"equal layers {naive.slowest_over_mean:.4f}  simulated step balanced/equal "
-                     f"{steps[1] / steps[0]:.3f}  peak memory {max(balanced.stage_memory) / 2 ** 30:.1f} GiB "
-                     f"(MILP {solve:.2f} s)")
-    lines.append("  balanced placement (last options):")
-    lines += ["    " + row for row in balanced.describe().splitlines()]
+        lines.append(f"  {label}:")
+        for title, pl, sim in (("equal layers", naive, sims[0]), ("balanced", balanced, sims[1])):
+            peak = [f + a for f, a in zip(pl.stage_fixed_memory, sim.peak_activation)]
+            lines.append(f"    {title:<13} slowest/mean {pl.slowest_over_mean:.4f}  simulated pipeline step "
+                         f"{sim.step_time:.3f} s  peak memory {max(peak) / gib:.1f} GiB (bound "
+                         f"{max(pl.stage_memory) / gib:.1f}) of {limit / gib:.1f}"
+                         + (f"  MILP {solve:.2f} s" if pl is balanced else ""))
+    lines.append("  balanced placement (last options), memory = weights, gradients, optimizer, transient and the "
+                 "activations of the most micro-batches each chunk holds:")
+    lines += ["    " + r for r in balanced.describe().splitlines()]
     return lines
 
 
@@ -124,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--p2p", type=fraction, default=0.02, help="point-to-point transfer time")
     ap.add_argument("--gantt-dir", help="write pipeline_<schedule>.png for p=4, v=2, m=8 here")
     ap.add_argument("--recipe", help="also place the layers of this recipe (balanced vs equal-layer split)")
+    ap.add_argument("--cluster", default="ascend910b",
+                    help="cluster of the placement's costs (parallel/planner/clusters)")
     args = ap.parse_args(argv)
     try:
         print("\n".join(grid_table(args.p, args.v, args.m, args.comm_fraction, args.p2p)))
@@ -133,11 +143,12 @@ def main(argv=None) -> int:
             for path in write_gantts(args.gantt_dir, args.comm_fraction, args.p2p):
                 print(f"wrote {path}")
         if args.recipe:
+            from parallel.plan import PlanError
             from telechat_moe.recipe import RecipeError
 
             try:
-                print("\n".join(placement_report(args.recipe)))
-            except RecipeError as e:  # its message names the file or the field
+                print("\n".join(placement_report(args.recipe, args.cluster)))
+            except (RecipeError, PlanError) as e:  # its message names the file or the field
                 print(f"error: {e}", file=sys.stderr)
                 return 2
     except (ScheduleError, PlacementError) as e:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallel.pipeline.mindspore_binding import BindingError, bind
-from parallel.pipeline.placement import PlacementOptions, balance, telechat_units
+from parallel.pipeline.mindspore_binding import MINDFORMERS_NAMES, BindingError, bind
+from parallel.pipeline.placement import PlacementOptions, balance, memory_limit, planner_units, recipe_workload
 from parallel.pipeline.schedules import build, validate
 
 recipe_mod = pytest.importorskip("telechat_moe.recipe")
@@ -21,8 +21,9 @@ def planned(name: str, options: PlacementOptions = PlacementOptions()):
     recipe = recipe_mod.load_recipe(path)
     shape, layout = recipe.model.to_model_shape(), recipe.layout
     in_flight = validate(build(schedule, layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
-    units = telechat_units(shape, layout, tokens=shape.seq_length, options=options)
-    return balance(units, layout.pp, layout.vpp, options, in_flight), schedule, layout, shape
+    w, row = recipe_workload(recipe, "ascend910b")
+    options = dataclasses.replace(options, memory_limit=memory_limit(recipe, w))
+    return balance(planner_units(w, row, options), layout.pp, layout.vpp, options, in_flight), schedule, layout, shape
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -74,12 +75,48 @@ def test_mindformers_offset_reproduces_the_plan(name, monkeypatch, tmp_path):
         assert (stages[i], chunks[i]) == (cfg.stage_config[f"decoder.layers.{i}"], cfg.chunk_of[f"decoder.layers.{i}"])
 
 
-def test_mtp_apart_needs_stage_config():
-    placement, schedule, layout, _ = planned("1t", PlacementOptions(mtp_apart_from_head=True))
-    cfg = bind(placement, "overlapped", layout.micro_batch_num, layout)
-    assert cfg.parallel_speed_up == {"pp_1f1b_overlap": "AlltoAll,AlltoAllV"}
-    assert cfg.stage_config["mtp"] != cfg.stage_config["output_layer"]
-    assert cfg.mindformers is None and "MindFormers puts the head and MTP" in cfg.mindformers_gap
+def test_mtp_apart_is_refused_where_forward_order_contradicts_it():
+    """MTP on stage 14 and the head on stage 15 (1t, v=2): TeleChatMoE runs lm_head before mtp.0 and MindFormers'
+    GPTModel decoder.final_layernorm before mtp, so MindSpore would read MTP's stage as a third chunk; the binding
+    names the option instead of producing that configuration. MTP with the head binds for both."""
+    from telechat_moe.model import pipeline_cell_names
+
+    apart, _, layout, _ = planned("1t", PlacementOptions(mtp_apart_from_head=True))
+    assert apart.location("mtp") == (14, 1) and apart.location("head") == (15, 1)
+    for names, before in ((pipeline_cell_names(), "lm_head"), (MINDFORMERS_NAMES, "decoder.final_layernorm")):
+        with pytest.raises(BindingError, match=f"mtp_apart_from_head: .* runs after {before} \\(stage 15\\).*"
+                                               f"chunk 2, the plan says chunk 1"):
+            bind(apart, "overlapped", layout.micro_batch_num, layout, names=names)
+        together, _, _, _ = planned("1t")
+        cfg = bind(together, "overlapped", layout.micro_batch_num, layout, names=names)
+        assert cfg.parallel_speed_up == {"pp_1f1b_overlap": "AlltoAll,AlltoAllV"}
+        assert cfg.stage_config[names.mtp[0]] == cfg.stage_config[names.head[-1]] == 15
+
+
+def test_forward_order_is_our_models():
+    """The order the binding checks chunks against is the order TeleChatMoE's forward first runs those cells."""
+    import numpy as np
+    import mindspore as ms
+    from telechat_moe.model import TeleChatMoE, pipeline_cell_names
+
+    recipe = recipe_mod.load_recipe("tiny", ["model.num_hidden_layers=3", "model.seq_length=16",
+                                             "model.max_position_embeddings=16"])
+    model = TeleChatMoE(recipe.model)
+    names = pipeline_cell_names()
+    expected = names.forward_order(range(recipe.model.num_hidden_layers))
+    seen: list[str] = []
+    cells = dict(model.cells_and_names())
+    for name in expected:
+        cells[name].register_forward_pre_hook(lambda cell, args, name=name: seen.append(name))
+    # logits() multiplies by lm_head's weight without running the cell, so its use is recorded there
+    logits = model.logits
+    object.__setattr__(model, "logits", lambda h: (seen.append("lm_head"), logits(h))[1])
+    ids = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % recipe.model.vocab_size
+    batch = (ids, np.roll(ids, -1, 1), np.ones(ids.shape, np.float32), np.zeros_like(ids),
+             np.tile(np.arange(16, dtype=np.int32), (2, 1)))
+    model(*(ms.Tensor(a) for a in batch))
+    assert list(dict.fromkeys(seen)) == expected  # first runs, in order
+    assert seen.count("embed_tokens") > 1 and seen.count("lm_head") > 1  # MTP reuses them after the head
 
 
 def test_layout_mismatch_is_named():
@@ -137,8 +174,8 @@ def test_binding_names_cells_that_exist_in_our_model():
     recipe = recipe_mod.load_recipe("tiny", ["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"])
     shape, layout = recipe.model.to_model_shape(), recipe.layout
     in_flight = validate(build("1f1b", layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
-    placement = balance(telechat_units(shape, layout, tokens=shape.seq_length), layout.pp, layout.vpp,
-                        PlacementOptions(), in_flight)
+    w, row = recipe_workload(recipe, "cpu")
+    placement = balance(planner_units(w, row), layout.pp, layout.vpp, PlacementOptions(), in_flight)
     cfg = bind(placement, "1f1b", layout.micro_batch_num, layout, names=pipeline_cell_names())
     cells = {name for name, _ in TeleChatMoE(recipe.model).cells_and_names()}
     assert set(cfg.stage_config) <= cells

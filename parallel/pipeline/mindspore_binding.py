@@ -12,8 +12,14 @@ Nothing here decides anything: the plan (placement + schedule) is made elsewhere
   the named communication of one micro-batch's forward with another's backward in the 1F1B steady state);
 - MindFormers' recipe keys (`parallel_config.pipeline_stage`, `micro_batch_num`, `model_config.offset` of shape
   [pp_interleave_num][pipeline_stage], `pp_interleave_num`, `parallel.pipeline_config`) where MindFormers can express
-  the plan: it puts the embedding on stage 0 and the head and MTP on the last stage, so an MTP kept apart from the
-  head needs `stage_config`.
+  the plan: it puts the embedding on stage 0 and the head and MTP on the last stage.
+Because MindSpore reads chunks off the forward order, `bind` walks the network's forward order (`CellNames.order`)
+and refuses a plan whose chunks that walk would not reproduce. An MTP kept apart from the head (on an earlier
+stage) is such a plan for both networks named here: TeleChatMoE runs its head (norm, lm_head) before MTP, and
+MindFormers' GPTModel its decoder.final_layernorm before mtp, so the MTP stage would be seen again after the
+head's later stage and taken as one more chunk. MindFormers never does it (GPTModel pins `mtp` to the last stage,
+beside `output_layer`); the placement's `mtp_apart_from_head` prices it for a network that runs MTP before its
+whole head and gives it its own head copy.
 It cannot run on CPU ("Invalid backend: CPU"); tests check the produced configuration and apply `stage_config`
 through `Pipeline` to a network skeleton.
 """
@@ -34,21 +40,36 @@ class BindingError(ValueError):
     """The plan and the layout or network disagree; the message names the field."""
 
 
+LAYERS = "{layers}"  # stands for the decoder layers, in index order, in CellNames.order
+
+
 @dataclass(frozen=True)
 class CellNames:
-    """Where each unit kind lives in the network, as `cells_and_names()` spells it."""
+    """Where each unit kind lives in the network, as `cells_and_names()` spells it, and the order in which the
+    network's forward first runs those cells (LAYERS for the decoder layers); None: embedding, layers, head, MTP,
+    the order of a network that computes its main loss before MTP (TeleChatMoE.head_losses)."""
     embedding: tuple[str, ...] = ("embedding",)
     layer: str = "decoder.layers.{i}"
     mtp: tuple[str, ...] = ("mtp",)
     head: tuple[str, ...] = ("decoder.final_layernorm", "output_layer")
+    order: tuple[str, ...] | None = None
 
     def of(self, unit) -> tuple[str, ...]:
         if unit.kind in ("dense", "moe"):
             return (self.layer.format(i=unit.layer),)
         return {"embedding": self.embedding, "mtp": self.mtp, "head": self.head}[unit.kind]
 
+    def forward_order(self, layers) -> list[str]:
+        """Cell names in forward order, the decoder layers being `layers` (indices)."""
+        order = self.order or (*self.embedding, LAYERS, *self.head, *self.mtp)
+        out: list[str] = []
+        for name in order:
+            out += [self.layer.format(i=i) for i in sorted(layers)] if name == LAYERS else [name]
+        return out
 
-MINDFORMERS_NAMES = CellNames()  # MindFormers' GPTModel (TeleChat3, DeepSeek-V3)
+
+# MindFormers' GPTModel (TeleChat3, DeepSeek-V3): the decoder ends with its final norm, then MTP, then output_layer
+MINDFORMERS_NAMES = CellNames(order=("embedding", LAYERS, "decoder.final_layernorm", "mtp", "output_layer"))
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,31 @@ def _mindformers_offset(placement: Placement) -> tuple[list[list[int]] | None, s
     return [[counts[c * p + s] - base for s in range(p)] for c in range(v)], ""
 
 
+def _check_forward_order(placement: Placement, names: CellNames, stage_config: dict[str, int],
+                         chunk_of: dict[str, int]) -> None:
+    """MindSpore numbers chunks along the forward order (a stage below the previous cell's starts the next chunk);
+    the plan's chunks must be what that walk finds."""
+    layers = [u.layer for u in placement.units if u.kind in ("dense", "moe")]
+    mtp_cells = {name for u in placement.units if u.kind == "mtp" for name in names.of(u)}
+    head_stages = {stage_config[name] for u in placement.units if u.kind == "head" for name in names.of(u)}
+    chunk, previous = 0, None
+    for name in names.forward_order(layers):
+        if name not in stage_config:
+            continue
+        stage = stage_config[name]
+        if previous is not None and stage < stage_config[previous]:
+            chunk += 1
+        if chunk != chunk_of[name]:
+            where = (f"{name} is on stage {stage} but runs after {previous} (stage {stage_config[previous]}) in the "
+                     f"network's forward order, so MindSpore would take it as chunk {chunk}, the plan says chunk "
+                     f"{chunk_of[name]}")
+            if name in mtp_cells and stage not in head_stages:
+                raise BindingError(f"mtp_apart_from_head: {where}; place MTP with the head (MindFormers pins mtp "
+                                   f"to the last stage)")
+            raise BindingError(f"stage_config: {where}")
+        previous = name
+
+
 def bind(placement: Placement, schedule: str, micro_size: int, layout: ParallelLayout | None = None,
          names: CellNames = MINDFORMERS_NAMES) -> MindSporePipelineConfig:
     """MindSpore's pipeline configuration for `placement` run with `schedule` over `micro_size` micro-batches,
@@ -143,6 +189,7 @@ def bind(placement: Placement, schedule: str, micro_size: int, layout: ParallelL
                     raise BindingError(f"cell {name!r} is named by two units; check the CellNames")
                 stage_config[name] = k % placement.stages
                 chunk_of[name] = k // placement.stages
+    _check_forward_order(placement, names, stage_config, chunk_of)
     speed_up = {"pp_1f1b_overlap": OVERLAPPED_COMM} if schedule == "overlapped" else {}
     offset, gap = _mindformers_offset(placement)
     mindformers = None

@@ -2,23 +2,26 @@
 
 The model is a chain of units cut into p*v contiguous segments; segment k is chunk k // p of stage k % p
 (Megatron/MindFormers interleaved order), so a stage's time is the sum of v non-adjacent segments. `balance`
-minimises the slowest stage's time under a per-stage memory limit exactly, as a mixed-integer program
-(scipy.optimize.milp / HiGHS); `equal_layer_split` is the naive split it is compared with.
+minimises the (interleaved) 1F1B period, then the slowest stage's time, under a per-stage memory limit exactly, as
+a mixed-integer program (scipy.optimize.milp / HiGHS); `equal_layer_split` is the naive split it is compared with.
 
-Units carry plain numbers (seconds or relative time, bytes), so any cost source can feed them: the planner's cost
-model, a profile, or `telechat_units` below, which derives them from FLOPs and parameter counts of a ModelShape.
+Units carry plain numbers (seconds, bytes). `planner_units` takes them from the planner's cost model
+(parallel.planner.cost_model) for one layout on one cluster: per block forward and backward time with the TP
+and expert all-to-all communication it charges and the recompute it runs, weights + gradients + optimizer
+states, activations per micro-batch in flight and the block's transient working memory; `recipe_workload`
+gives that layout and cluster for a recipe, `memory_limit` the device memory the placement must respect.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.layout import ParallelLayout
-from parallel.planner.model_shape import (ModelShape, attention_core_flops, attention_params,
-                                          attention_projection_flops, dense_ffn_params, expert_params, head_flops,
-                                          moe_ffn_flops, router_params, shared_expert_params)
+from parallel.planner.cost_model import Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory, stage_parts
+from parallel.planner.cost_model import in_flight as held_micro_batches
+from parallel.pipeline.simulator import StageCosts
 
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
 
@@ -36,6 +39,9 @@ class Unit:
     weight_memory: float = 0.0  # bytes held regardless of micro-batches: weights, gradients, optimizer states
     activation_memory: float = 0.0  # bytes held per micro-batch in flight
     layer: int = -1  # decoder layer index of dense/moe units
+    transient: float = 0.0  # bytes alive only while the unit runs: a stage holds its units' largest
+    forward_comm: float = 0.0  # of `forward`, the in-pass communication (TP, expert all-to-all)
+    backward_comm: float = 0.0
 
     @property
     def time(self) -> float:
@@ -60,7 +66,8 @@ class Placement:
     units: tuple[Unit, ...]
     sizes: tuple[int, ...]  # units per segment, segment k = chunk k // p of stage k % p
     stage_time: tuple[float, ...]
-    stage_memory: tuple[float, ...]
+    stage_memory: tuple[float, ...]  # peak bytes: fixed part + activations of the in-flight micro-batches
+    stage_fixed_memory: tuple[float, ...]  # weights, gradients, optimizer states and the largest transient
     method: str
 
     @property
@@ -79,14 +86,19 @@ class Placement:
     def slowest_over_mean(self) -> float:
         return max(self.stage_time) / (sum(self.stage_time) / self.stages)
 
-    def chunk_times(self) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
-        """Forward and backward time per (stage, chunk): what the simulator's StageCosts take."""
-        fwd = [[0.0] * self.chunks for _ in range(self.stages)]
-        bwd = [[0.0] * self.chunks for _ in range(self.stages)]
+    def stage_costs(self, p2p: float = 0.0) -> StageCosts:
+        """The simulator's per-(stage, chunk) costs: compute, in-pass communication, activation bytes."""
+        grids = {key: [[0.0] * self.chunks for _ in range(self.stages)]
+                 for key in ("forward", "backward", "forward_comm", "backward_comm", "activation")}
         for k, seg in enumerate(self.segments):
-            fwd[k % self.stages][k // self.stages] = sum(u.forward for u in seg)
-            bwd[k % self.stages][k // self.stages] = sum(u.backward for u in seg)
-        return tuple(map(tuple, fwd)), tuple(map(tuple, bwd))
+            s, c = k % self.stages, k // self.stages
+            for u in seg:
+                grids["forward"][s][c] += u.forward - u.forward_comm
+                grids["backward"][s][c] += u.backward - u.backward_comm
+                grids["forward_comm"][s][c] += u.forward_comm
+                grids["backward_comm"][s][c] += u.backward_comm
+                grids["activation"][s][c] += u.activation_memory
+        return StageCosts(**{key: tuple(map(tuple, g)) for key, g in grids.items()}, p2p=p2p)
 
     def describe(self) -> str:
         """One line per stage: time relative to the mean stage, memory in GiB, the units of each chunk."""
@@ -135,15 +147,21 @@ def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str
                              f"{len(units)} units, got {list(sizes)}")
     n = _in_flight(stages, chunks, in_flight)
     time = [0.0] * stages
-    mem = [0.0] * stages
+    static = [0.0] * stages
+    transient = [0.0] * stages
+    act = [0.0] * stages
     i = 0
     for k, size in enumerate(sizes):
         s, c = k % stages, k // stages
         for u in units[i:i + size]:
             time[s] += u.time
-            mem[s] += u.weight_memory + u.activation_memory * n[s, c]
+            static[s] += u.weight_memory
+            transient[s] = max(transient[s], u.transient)
+            act[s] += u.activation_memory * n[s, c]
         i += size
-    return Placement(stages, chunks, units, sizes, tuple(time), tuple(mem), method)
+    fixed = tuple(a + b for a, b in zip(static, transient))
+    return Placement(stages, chunks, units, sizes, tuple(time), tuple(f + a for f, a in zip(fixed, act)), fixed,
+                     method)
 
 
 def _check_chain(units: tuple[Unit, ...], stages: int, chunks: int) -> None:
@@ -181,7 +199,7 @@ def equal_layer_split(units, stages: int, chunks: int, in_flight=None) -> Placem
 
 def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
     """(start, length) of the maximal runs of consecutive units with equal time and memory."""
-    key = [(u.forward, u.backward, u.weight_memory, u.activation_memory) for u in units]
+    key = [(u.forward, u.backward, u.weight_memory, u.activation_memory, u.transient) for u in units]
     out: list[tuple[int, int]] = []
     for i in range(len(units)):
         if out and key[i] == key[i - 1]:
@@ -193,8 +211,12 @@ def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
 
 def balance(units, stages: int, chunks: int, options: PlacementOptions = PlacementOptions(),
             in_flight=None, time_limit: float = 60.0, tie_break_nodes: int = 500) -> Placement:
-    """Exact min-max placement: minimise the slowest stage's time subject to every stage's memory <= the limit,
-    every segment non-empty, and the MTP options.
+    """Exact placement under every stage's memory <= the limit, every segment non-empty, and the MTP options.
+
+    Objective, lexicographic: first the steady-state period of (interleaved) 1F1B, the sum over chunks of the
+    slowest stage's chunk (the planner's step formula, stage_ilp: (m - 1/v) * sum_c max_s t[s, c] + work / v),
+    then the slowest stage's time; for one chunk per stage both are the slowest stage. Minimising only the slowest
+    stage lets the chunks of a stage differ freely, and the interleaved step then pays each chunk's own maximum.
 
     A MILP over the p*v-1 cut positions. Inside a run of identical units (the MoE layers) the prefix sums of
     time and memory are linear in the cut's offset, so each cut needs one binary per run (the run it falls in)
@@ -217,6 +239,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     prefix = {name: np.concatenate([[0.0], np.cumsum(x)]) for name, x in (("t", t), ("w", w), ("a", a))}
     prefix["pos"] = np.arange(n + 1, dtype=float)
     runs = _runs(units)
+    rows: list[tuple[dict[int, float], float, float]] = []
 
     integrality: list[int] = []
     upper: list[float] = []
@@ -229,7 +252,9 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     # per internal cut k and run r: in_run (binary), offset inside the run (integer)
     cut_vars = {(k, r): (var(1.0), var(length - 1.0)) for k in range(1, segs) for r, (_, length) in enumerate(runs)}
     z = var(np.inf, integer=False)
-    floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the second pass
+    floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the last pass
+    chunk_max = [var(np.inf, integer=False) for _ in range(chunks)]
+    period = var(np.inf, integer=False)
 
     def at(k: int, what: str) -> tuple[dict[int, float], float]:
         """prefix[what] at cut k as a linear expression (coefficients, constant)."""
@@ -242,8 +267,6 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             acc[in_run] = pre[start]
             acc[offset] = pre[start + 1] - pre[start]
         return acc, 0.0
-
-    rows: list[tuple[dict[int, float], float, float]] = []
 
     def add(terms: list[tuple[float, tuple[dict[int, float], float]]], low: float, up: float) -> None:
         acc: dict[int, float] = {}
@@ -259,28 +282,61 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         for r, (_, length) in enumerate(runs):
             in_run, offset = cut_vars[k, r]
             rows.append(({offset: 1.0, in_run: -(length - 1.0)}, -np.inf, 0.0))
-    for k in range(segs):  # every segment holds at least one unit
+    for k in range(segs):  # every segment holds at least one unit, and at most its chunk's slowest time
         add([(1.0, at(k + 1, "pos")), (-1.0, at(k, "pos"))], 1.0, np.inf)
+        add([(1.0, at(k + 1, "t")), (-1.0, at(k, "t")), (-1.0, ({chunk_max[k // stages]: 1.0}, 0.0))], -np.inf, 0.0)
+    rows.append(({period: 1.0, **{x: -1.0 for x in chunk_max}}, 0.0, 0.0))
+    holding: dict[int, list[int]] = {}
+
+    def containing(j: int) -> list[int]:
+        """One binary per segment, 1 for the segment that holds unit j."""
+        if j in holding:
+            return holding[j]
+        g = holding[j] = [var(1.0) for _ in range(segs)]
+        rows.append(({x: 1.0 for x in g}, 1.0, 1.0))
+        for k, x in enumerate(g):
+            add([(1.0, at(k, "pos")), (n - j, ({x: 1.0}, 0.0))], -np.inf, float(n))  # starts at or before j
+            add([(1.0, at(k + 1, "pos")), (-(j + 1.0), ({x: 1.0}, 0.0))], 0.0, np.inf)  # ends after j
+        return g
+
+    limited = math.isfinite(options.memory_limit)
+    if limited:
+        # a stage holds the largest transient of its units: tr_s >= transient of every run reaching stage s. The
+        # runs reaching a segment are those between the runs holding its first and last unit, so the run's first
+        # and last unit each get a segment indicator and the run covers segments from the one to the other.
+        tau = np.array([u.transient for u in units]) / mem_scale
+        low = float(tau.min())  # every stage holds some unit
+        tr = [var(np.inf, integer=False) for _ in range(stages)]
+        for x in tr:
+            rows.append(({x: 1.0}, low, np.inf))
+        for start, length in runs:
+            if tau[start] <= low:
+                continue
+            first = containing(start)
+            last = first if length == 1 else containing(start + length - 1)
+            for k in range(segs):
+                covers = {x: 1.0 for x in first[:k + 1]}
+                for x in last[:k]:
+                    covers[x] = covers.get(x, 0.0) - 1.0
+                add([(1.0, ({tr[k % stages]: 1.0}, 0.0)), (-tau[start], (covers, 0.0))], 0.0, np.inf)
     for s in range(stages):
         ks = [c * stages + s for c in range(chunks)]
         stage_time = [(sign, at(k + d, "t")) for k in ks for sign, d in ((1.0, 1), (-1.0, 0))]
         add(stage_time + [(-1.0, ({z: 1.0}, 0.0))], -np.inf, 0.0)
         add(stage_time + [(-1.0, ({floor: 1.0}, 0.0))], 0.0, np.inf)
-        if math.isfinite(options.memory_limit):
-            terms = []
+        if limited:
+            terms = [(1.0, ({tr[s]: 1.0}, 0.0))]
             for c, k in enumerate(ks):
                 for what, coef in (("w", 1.0), ("a", flight[s, c])):
                     terms += [(coef, at(k + 1, what)), (-coef, at(k, what))]
             add(terms, -np.inf, 1.0)
     mtps = [i for i, u in enumerate(units) if u.kind == "mtp"]
     if mtps and units[-1].kind == "head":
-        if options.mtp_apart_from_head:
-            # the head's stage p-1 holds no MTP: each of its segments ends before j or starts after it
+        if options.mtp_apart_from_head:  # the head's stage p-1 holds no MTP
             for j in mtps:
+                g = containing(j)
                 for k in range(stages - 1, segs, stages):
-                    q = var(1.0)
-                    add([(1.0, at(k, "pos")), (-(j + 1.0), ({q: 1.0}, 0.0))], 0.0, np.inf)
-                    add([(1.0, at(k + 1, "pos")), (-(n - j), ({q: 1.0}, 0.0))], -np.inf, float(j))
+                    upper[g[k]] = 0.0
         else:  # MTP in the head's segment, the last one
             add([(1.0, at(segs - 1, "pos"))], -np.inf, float(min(mtps)))
 
@@ -296,6 +352,9 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
 
     def solve(cost: np.ndarray, bounds: Bounds, limits: dict, prove: bool):
         res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds, options=limits)
+        if res.status == 4:  # HiGHS' presolve fails on some capped passes (seen with scipy 1.17); solve without it
+            res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds,
+                       options={**limits, "presolve": False})
         if res.x is None:
             why = "memory_limit" if math.isfinite(options.memory_limit) else "the MTP and non-empty-segment constraints"
             raise PlacementError(f"no placement of {n} units on {stages} stages x {chunks} chunks satisfies {why} "
@@ -304,18 +363,29 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             raise PlacementError(f"placement solver stopped before proving optimality: {res.message}")
         return res
 
-    cost = np.zeros(nv)
-    cost[z] = 1.0
-    slowest = solve(cost, bounds, {"time_limit": time_limit}, prove=True).x[z]
-    # second pass, a tie-break: among the placements with that slowest stage, raise the fastest one, so that the
-    # other stages do not keep whatever uneven split the first pass returned. Its best within a node budget will
-    # do (a node budget, not a time limit, so that the answer does not depend on the machine's speed).
-    upper_z = np.array(upper)
-    upper_z[z] = slowest * (1 + 1e-9) + 1e-12
-    cost = np.zeros(nv)
-    cost[floor] = -1.0
-    res = solve(cost, Bounds(np.zeros(nv), upper_z), {"node_limit": tie_break_nodes, "time_limit": time_limit},
-                prove=False)
+    def minimise(target: int, bound: np.ndarray, limits: dict, prove: bool, sign: float = 1.0):
+        cost = np.zeros(nv)
+        cost[target] = sign
+        return solve(cost, Bounds(np.zeros(nv), bound), limits, prove)
+
+    def capped(bound: np.ndarray, target: int, value: float) -> np.ndarray:
+        """`bound` with `target` at most `value`, widened by HiGHS' feasibility tolerance (1e-7): the value comes
+        from a solution that may miss a row by that much, and the next pass must keep it feasible."""
+        out = bound.copy()
+        out[target] = value + 1e-7 * (1 + abs(value))
+        return out
+
+    bound = np.array(upper)
+    proven = {"time_limit": time_limit}
+    res = minimise(period, bound, proven, prove=True)
+    if chunks > 1:
+        bound = capped(bound, period, res.x[period])
+        res = minimise(z, bound, proven, prove=True)
+    # last pass, a tie-break: among the placements with that period and slowest stage, raise the fastest one, so
+    # that the other stages do not keep whatever uneven split the first passes returned. Its best within a node
+    # budget will do (a node budget, not a time limit, so that the answer does not depend on the machine's speed).
+    res = minimise(floor, capped(bound, z, res.x[z]), {"node_limit": tie_break_nodes, "time_limit": time_limit},
+                   prove=False, sign=-1.0)
     x = np.round(res.x)
     cuts = []
     for k in range(segs + 1):
@@ -324,61 +394,83 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     return evaluate(units, stages, chunks, np.diff(cuts), flight, method="balanced (MILP)")
 
 
-# ---- units of a TeleChat3 / DeepSeek-V3 style model from FLOPs and parameter counts ---------------------------------
-def telechat_units(shape: ModelShape, layout: ParallelLayout, *, tokens: int, optimizer_shard: bool = True,
-                   recompute: bool = False, weight_bytes: float = 6.0, optimizer_bytes: float = 12.0,
-                   activation_bytes: float = 2.0, flops_per_second: float = 1.0,
-                   options: PlacementOptions = PlacementOptions()) -> list[Unit]:
-    """The model as a chain [embedding, dense layers, MoE layers, MTP, head]: per-micro-batch times from FLOPs
-    (backward = 2 x forward, plus a forward under full recompute) and memory from parameter counts.
+# ---- units from the planner's cost model ---------------------------------------------------------------------------
+def planner_units(w: Workload, layout: dict, options: PlacementOptions = PlacementOptions()) -> list[Unit]:
+    """The model as a chain [embedding, dense layers, MoE layers, MTP depths, head] with the cost model's costs for
+    `layout` (a Layouts.row dict): each unit is one block scored alone on a stage (stage_parts, stage_memory).
 
-    tokens: tokens of one micro-batch (one sequence per data-parallel rank and micro-batch: seq_length). With
-    sequence parallelism a device works on tokens/tp of every part, so all FLOPs are divided by tp.
-    weight_bytes: weight + gradient per parameter (bf16 + fp32); optimizer_bytes: fp32 master and Adam moments,
-    split over the data-parallel replicas of each parameter when `optimizer_shard` (ZeRO-1: dp*cp for dense
-    parameters, the expert-data-parallel group for experts). Activations are an estimate per token and layer:
-    34*h/tp values for attention, norms and residuals (Korthikanti et al., with flash attention) plus
-    top_k*(h + 3*ffn)/tp inside the MoE FFN, `activation_bytes` each; full recompute keeps only the layer input.
+    The cost model bills head and MTP together on the last stage; the head is scored on the model without MTP and
+    each MTP depth as the difference. MTP on a stage of its own holds its own copy of the head (the head's vocabulary
+    matrix) and, unless its embedding lookup runs on the first stage (`mtp_embedding_on_first_stage`, which adds
+    that lookup to the embedding unit), a copy of the embedding table.
     """
-    h, v, tp = shape.hidden_size, shape.vocab_size, layout.tp
-    dense_bytes = weight_bytes + optimizer_bytes / (layout.dp * layout.cp if optimizer_shard else 1)
-    expert_bytes = weight_bytes + optimizer_bytes / (layout.edp if optimizer_shard else 1)
-    a = attention_params(shape)
-    attn_fwd = attention_projection_flops(shape) + attention_core_flops(shape, shape.seq_length)
-    attn_params = a["replicated"] + a["sharded"] / tp + 2 * h
-    moe_dense_params = attn_params + router_params(shape) + shared_expert_params(shape) / tp
-    moe_mem = (moe_dense_params * dense_bytes
-               + shape.num_routed_experts * expert_params(shape) / (layout.ep * layout.etp) * expert_bytes)
-    vocab_mem = v * h / tp * dense_bytes
-    per_token = tokens * activation_bytes / tp
-    if recompute:
-        base_act = moe_act = h * per_token
-    else:
-        base_act = 34 * h * per_token
-        moe_act = base_act + shape.top_k * (h + 3 * shape.moe_intermediate) * per_token
-    recompute_factor = 3.0 if recompute else 2.0
+    mode = ("none", "selective", "full").index(layout["recompute"])
+    head_only = dataclasses.replace(w, shape=dataclasses.replace(w.shape, mtp_depth=0))
+    rows = [("embedding", w), ("dense", w), ("moe", w), ("head", head_only), ("last", w)]
+    n = len(rows)
+    lay = Layouts(**{k: np.full(n, v) for k, v in Layouts.single(**layout).__dict__.items()})
+    onehot = lambda names: np.array([[float(r == mode and name in names) for name, _ in rows]  # noqa: E731
+                                     for r in range(3)])
+    plan = StagePlan(stage=np.zeros(n, int), dense_by_mode=onehot({"dense"}), moe_by_mode=onehot({"moe"}),
+                     embedding=np.array([float(name == "embedding") for name, _ in rows]),
+                     last=np.array([float(name in ("head", "last")) for name, _ in rows]), mtp_mode=np.full(n, mode))
+    cost: dict[str, dict[str, float]] = {}
+    for i, (name, wk) in enumerate(rows):
+        b = block_costs(wk, lay)
+        parts = stage_parts(wk, b, plan)
+        mem = stage_memory(wk, lay, b, plan)
+        cost[name] = {key: float(parts[key][i]) for key in parts}
+        cost[name].update(static=float((mem["weights"] + mem["grads"] + mem["optimizer"])[i]),
+                          act=float(mem["activations"][i] / held_micro_batches(lay, plan.stage)[i]),
+                          transient=float(mem["transient"][i]))
+    depth = w.shape.mtp_depth
+    mtp = {key: (cost["last"][key] - cost["head"][key]) / max(depth, 1) for key in cost["last"]}
+    mtp["transient"] = cost["last"]["transient"]  # an MTP depth runs the shared head itself
+    if options.mtp_apart_from_head:
+        mtp["static"] += cost["head"]["static"]
+    emb = dict(cost["embedding"])
+    if depth and options.mtp_embedding_on_first_stage:
+        for key in ("fwd_compute", "bwd_compute"):
+            emb[key] *= 1 + depth
+    elif depth:
+        mtp["static"] += cost["embedding"]["static"]
 
-    def unit(name, kind, fwd_flops, memory, act, backward_factor=recompute_factor, layer=-1):
-        fwd = fwd_flops * tokens / tp / flops_per_second
-        return Unit(name, kind, fwd, backward_factor * fwd, memory, act, layer)
+    def unit(name: str, kind: str, c: dict, layer: int = -1) -> Unit:
+        return Unit(name, kind, c["fwd_compute"] + c["fwd_comm"], c["bwd_compute"] + c["bwd_comm"], c["static"],
+                    c["act"], layer, c["transient"], c["fwd_comm"], c["bwd_comm"])
 
-    # the lookup costs no FLOPs; its backward is a scatter-add of h values per token
-    emb_flops = 2 * h * (2 if options.mtp_embedding_on_first_stage and shape.mtp_depth else 1)
-    units = [unit("embedding", "embedding", emb_flops, vocab_mem, h * per_token, 1.0)]
-    for i in range(shape.num_layers):
-        if i < shape.first_k_dense:
-            mem = (attn_params + dense_ffn_params(shape) / tp) * dense_bytes
-            units.append(unit(f"L{i}", "dense", attn_fwd + 2 * dense_ffn_params(shape), mem, base_act, layer=i))
-        else:
-            units.append(unit(f"L{i}", "moe", attn_fwd + moe_ffn_flops(shape), moe_mem, moe_act, layer=i))
-    head_act = 2 * v * per_token  # fp32 logits for the loss
-    for d in range(shape.mtp_depth):
-        mem = (3 * h + 2 * h * h / tp) * dense_bytes + moe_mem
-        if options.mtp_apart_from_head:
-            mem += vocab_mem  # its own copy of the shared output head
-        if not options.mtp_embedding_on_first_stage:
-            mem += vocab_mem  # its own copy of the shared embedding table
-        flops = 2 * 2 * h * h + attn_fwd + moe_ffn_flops(shape) + head_flops(shape)
-        units.append(unit(f"mtp{d}" if shape.mtp_depth > 1 else "mtp", "mtp", flops, mem, moe_act + head_act))
-    units.append(unit("head", "head", head_flops(shape), vocab_mem + h * dense_bytes, head_act, 2.0))
-    return units
+    units = [unit("embedding", "embedding", emb)]
+    units += [unit(f"L{i}", "dense" if i < w.shape.first_k_dense else "moe",
+                   cost["dense" if i < w.shape.first_k_dense else "moe"], i) for i in range(w.shape.num_layers)]
+    units += [unit(f"mtp{d}" if depth > 1 else "mtp", "mtp", mtp) for d in range(depth)]
+    return units + [unit("head", "head", cost["head"])]
+
+
+def recipe_workload(recipe, cluster: str) -> tuple[Workload, dict]:
+    """The planner's workload (the recipe's model on its device count of `cluster`) and the recipe's layout as a
+    Layouts.row dict, as `python -m parallel.plan --recipe R --cluster C --evaluate ...` scores it."""
+    from types import SimpleNamespace
+
+    from parallel.plan import build_workload
+
+    lay = recipe.layout
+    w = build_workload(SimpleNamespace(cluster=cluster, seq=None, dtype=None, devices=lay.world_size,
+                                       global_batch=None), recipe)
+    hierarchical = recipe.model.moe_token_dispatcher_type == "hierarchical"
+    row = {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
+           "mbs": w.global_batch // (lay.dp * lay.micro_batch_num), "m": lay.micro_batch_num,
+           "recompute": recipe.recompute_config.mode, "ep_scheme": "hierarchical" if hierarchical else "flat",
+           "ep_overlap": False}
+    return w, row
+
+
+def memory_limit(recipe, w: Workload) -> float:
+    """Bytes per device: the recipe's context.max_device_memory_gb (MindSpore's GB are GiB) or the cluster's
+    usable memory."""
+    gb = recipe.context.max_device_memory_gb
+    return gb * 2 ** 30 if gb > 0 else w.cluster.usable_memory
+
+
+def placement_p2p(w: Workload, layout: dict) -> float:
+    """Seconds to send one micro-batch's hidden state to the next stage (the simulator's p2p)."""
+    return float(p2p_time(w, Layouts.single(**layout))[0])
