@@ -56,8 +56,10 @@ class TeleChatMoE(nn.Cell):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
         self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The head computes in float32 (logits feed the softmax) and runs as its own cell, so a pipeline plan
+        # that gives lm_head a stage moves its matmul there, not only its weight.
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, ms_dtype(cfg.compute_dtype))
+            cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, ms.float32)
         self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target))
                                 for d in range(cfg.num_nextn_predict_layers)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
@@ -102,9 +104,11 @@ class TeleChatMoE(nn.Cell):
         return h, aux, z, loads
 
     def logits(self, h):
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """[batch*seq, vocab] float32 logits."""
         b, s, d = h.shape
-        return self.head_matmul(h.reshape(b * s, d).astype(ms.float32), w.astype(ms.float32))
+        if self.lm_head is not None:
+            return self.lm_head(h.astype(ms.float32)).reshape(b * s, -1)
+        return self.head_matmul(h.reshape(b * s, d).astype(ms.float32), self.embed_tokens.weight)
 
     @staticmethod
     def cross_entropy(logits, labels, mask):
