@@ -4,11 +4,13 @@
 
 Tensors are aligned by name and walked in computation order: forward outputs in forward order, the loss,
 gradients in backward order (reverse of the order they were dumped in), then optimizer states. Each tensor's
-tolerance is the chain tolerance of everything computed up to it (precision/TOLERANCES.md). The first tensor
-over its tolerance is reported with its layer, operator and the parallel-risk category its error signature
-points to (precision/signatures.py), then a summary table per kind and layer, and a PNG of the per-layer
-relative error. Exit status: 0 no divergence, 1 a divergence, 2 runs that cannot be compared (missing tensors,
-shape mismatches, different models, unreadable dumps), with a one-line message.
+tolerance is the chain tolerance of the computation that produced it: the layers upstream of it in the forward,
+and for gradients the whole forward, the loss and the backward from the loss down to their layer; never the
+number of tensors dumped (precision/TOLERANCES.md). The first tensor over its tolerance is reported with its
+layer, operator and the parallel-risk category its error signature points to (precision/signatures.py), then a
+summary table per kind and layer, and a PNG of the per-layer relative error. Exit status: 0 no divergence,
+1 a divergence, 2 runs that cannot be compared (missing tensors, shape mismatches, different models, unreadable
+dumps), with a one-line message.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -63,6 +65,60 @@ def walk_order(entries: Sequence[IndexEntry]) -> list[IndexEntry]:
     return [e for kind in WALK for e in by_kind[kind]]
 
 
+def outside_layers_first(entries: Sequence[IndexEntry]) -> Callable[[IndexEntry], bool]:
+    """A test telling whether a tensor outside the decoder layers (layer None) comes before them (embedding) or
+    after them (final norm, head, MTP). Tensors of one kind are dumped in forward or parameter order, and the
+    optimizer's one state after another, so each is placed by its order against the first layered tensor of
+    its kind and operator (of its kind, when none of its operator is layered)."""
+    first: dict = {}
+    for e in entries:
+        if e.layer is not None:
+            for key in ((e.kind, e.operator), e.kind):
+                first[key] = min(first.get(key, e.order), e.order)
+    return lambda e: e.order < first.get((e.kind, e.operator), first.get(e.kind, -1))
+
+
+def depth_chains(walk: Sequence[IndexEntry], terms: Sequence[float]) -> list[float]:
+    """Each tensor's chain tolerance along the computation that produced it. `walk` is in walk order, `terms[i]`
+    the tolerance of the operator that produced walk[i] (tolerance(dtype, k)).
+
+    The forward tensors fall into stages, runs of consecutive tensors of one layer (the embedding, each layer,
+    the final norm and head), and a stage costs the sum of its tensors' terms. A forward tensor's chain: the
+    stages before its own, plus its own stage up to and including it. The loss: the whole forward F plus its own
+    term. A gradient of a parameter in stage s: F, the largest loss term, the backward from the loss down to s
+    (the stages s..last again: a layer's backward runs the transposes of its forward operators) and its own
+    term; tensors of other layers' gradients are beside it, not upstream, and add nothing. An optimizer state is
+    at most quadratic in its gradient (Adam's second moment doubles the gradient's relative error): twice its
+    gradient's chain."""
+    chains = [0.0] * len(walk)
+    costs: list[float] = []
+    stage_of_layer: dict[int, int] = {}
+    last_layered = -1
+    for i, (e, term) in enumerate(zip(walk, terms)):
+        if e.kind != "forward":
+            continue
+        if not costs or e.layer != walk[i - 1].layer:
+            costs.append(0.0)
+            if e.layer is not None:
+                stage_of_layer.setdefault(e.layer, len(costs) - 1)
+                last_layered = len(costs) - 1
+        costs[-1] += term
+        chains[i] = sum(costs)
+    forward = sum(costs)
+    loss = max((t for e, t in zip(walk, terms) if e.kind == "loss"), default=0.0)
+    before_layers = outside_layers_first(walk)
+    for i, (e, term) in enumerate(zip(walk, terms)):
+        if e.kind == "loss":
+            chains[i] = forward + term
+        elif e.kind in ("grad", "optimizer"):
+            # a layer the forward did not dump, or a parameter before the layers: the whole backward
+            stage = stage_of_layer.get(e.layer, 0) if e.layer is not None else \
+                0 if before_layers(e) else last_layered + 1
+            gradient = forward + loss + sum(costs[stage:]) + term
+            chains[i] = gradient if e.kind == "grad" else 2 * gradient
+    return chains
+
+
 def _looser_dtype(a: str, b: str) -> str | None:
     """The less precise float format of the two; None when either is not floating point (compare exactly)."""
     names = [d for d in (a, b) if d in UNIT_ROUNDOFF]
@@ -104,15 +160,13 @@ def _compare_step(run_a: DumpRun, run_b: DumpRun, step: int, rank: int, rtol_sca
     """Rows in walk order, and the two values of the first diverging tensor (kept for its diagnosis)."""
     rows: list[TensorComparison] = []
     first_values: tuple[np.ndarray, np.ndarray] | None = None
-    chain = 0.0
-    for ea, eb in _align(run_a, run_b, step, rank):
+    pairs = _align(run_a, run_b, step, rank)
+    dtypes = [_looser_dtype(ea.dtype, eb.dtype) for ea, eb in pairs]
+    terms = [0.0 if dtype is None else tolerance(dtype, ea.k).rtol for (ea, _), dtype in zip(pairs, dtypes)]
+    chains = depth_chains([ea for ea, _ in pairs], terms)
+    for (ea, eb), dtype, chain in zip(pairs, dtypes, chains):
         a, b = run_a.load(ea), run_b.load(eb)
-        dtype = _looser_dtype(ea.dtype, eb.dtype)
-        if dtype is None:
-            rtol = 0.0
-        else:
-            chain += tolerance(dtype, ea.k).rtol
-            rtol = chain * rtol_scale
+        rtol = 0.0 if dtype is None else chain * rtol_scale
         rows.append(TensorComparison(ea, relative_error(b, a), mean_relative_error(b, a), rtol))
         if rows[-1].diverged and first_values is None:
             first_values = (a, b)
@@ -206,16 +260,15 @@ def plot_layer_errors(report: CompareReport, path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    # Tensors outside the decoder layers sit at -1 when they come before layer 0 in forward/parameter order
-    # (embedding) and one past the last layer when they come after it (final norm, head).
-    layered = [r.entry for r in report.rows if r.entry.layer is not None]
-    last_layer = max((e.layer for e in layered), default=-1)
-    first_order = {kind: min((e.order for e in layered if e.kind == kind), default=0) for kind in WALK}
+    # Tensors outside the decoder layers sit at -1 when they come before layer 0 (embedding) and one past the
+    # last layer when they come after it (final norm, head).
+    last_layer = max((r.entry.layer for r in report.rows if r.entry.layer is not None), default=-1)
+    before_layers = outside_layers_first([r.entry for r in report.rows])
 
     def position(entry):
         if entry.layer is not None:
             return entry.layer
-        return -1 if entry.order < first_order[entry.kind] else last_layer + 1
+        return -1 if before_layers(entry) else last_layer + 1
 
     fig, ax = plt.subplots(figsize=(8, 5))
     # exact agreement (error 0) is drawn on a floor three decades under the smallest tolerance

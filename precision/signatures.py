@@ -38,8 +38,15 @@ class Diagnosis:
     evidence: str
 
 
-NUMERIC_FACTOR = 10.0  # errors within this many tolerances are treated as drift, not as a broken path
-SIGNATURE_FACTOR = 10.0  # how closely a signature must explain the difference, in tolerances
+# Errors within NUMERIC_FACTOR tolerances are drift, not a broken path. Rounding alone stays under one tolerance
+# unless the accumulation counts it was given understate the sums really done; the error grows like sqrt(K), so
+# 10 tolerances is what rounding gives when the true K is 100 times the declared one (a weight gradient summed
+# over thousands of tokens, dumped with the weight's last dimension as its k). The smallest logic fault, a
+# factor 1/degree with degree >= 2, is a relative error of 0.5: above 10 chain tolerances even in bfloat16.
+NUMERIC_FACTOR = 10.0
+# What a signature leaves unexplained (the residual of a factor, the error outside a block, the difference of
+# sorted values) must be drift, bounded as drift is.
+SIGNATURE_FACTOR = NUMERIC_FACTOR
 EP_WORDS = ("moe", "router", "route", "expert", "dispatch", "combine", "permute")
 ROPE_WORDS = ("rope", "rotary", "pos")
 
@@ -58,9 +65,11 @@ DEGREE_RISK = {"tp": Risk.TP, "micro_batch_num": Risk.PP, "pp": Risk.PP, "dp": R
                "cp": Risk.SP}
 
 
-def match_degree(alpha: float, layouts: Sequence[Mapping], kind: str) -> tuple[Risk, str] | None:
-    """The parallel degree (of either run) that alpha or 1/alpha equals, preferring the dimension that scales
-    this kind of tensor first: forward outputs by TP partial sums, gradients by micro-batch accumulation."""
+def match_degree(a: np.ndarray, b: np.ndarray, layouts: Sequence[Mapping], kind: str,
+                 tol: float) -> tuple[Risk, str] | None:
+    """The parallel degree d (of either run) with b = d * a or b = a / d up to drift, preferring the dimension
+    that scales this kind of tensor first: forward outputs by TP partial sums, gradients by micro-batch
+    accumulation."""
     preference = ("tp", "cp", "ep", "micro_batch_num", "dp", "pp") if kind in ("forward", "loss") else \
         ("micro_batch_num", "dp", "tp", "pp", "ep", "cp")
     for key in preference:
@@ -68,7 +77,7 @@ def match_degree(alpha: float, layouts: Sequence[Mapping], kind: str) -> tuple[R
             degree = layout.get(key, 1)
             if isinstance(degree, int) and degree > 1:
                 for value, text in ((degree, f"{key}={degree}"), (1.0 / degree, f"1/{key} (1/{degree})")):
-                    if abs(alpha - value) <= 1e-3 * value:
+                    if relative_error(b, value * a.astype(np.float64)) <= SIGNATURE_FACTOR * tol:
                         return DEGREE_RISK[key], text
     return None
 
@@ -145,7 +154,7 @@ def diagnose(name: str, kind: str, operator: str, dims: str, a: np.ndarray, b: n
                                       f"have made equal{tail}")
 
     if residual <= SIGNATURE_FACTOR * tol and abs(alpha - 1.0) > NUMERIC_FACTOR * tol:
-        matched = match_degree(alpha, layouts, kind)
+        matched = match_degree(a, b, layouts, kind, tol)
         if matched:
             return Diagnosis(matched[0], f"{facts}; B = {alpha:.6g} x A exactly (residual {residual:.2g}), "
                                          f"the factor is {matched[1]}")

@@ -194,6 +194,15 @@ def test_first_diverging_change_names_the_broken_one(tmp_path):
     assert first_diverging_change(make_step, ["fusion", "ep=2"], tmp_path / "fine", lambda c: META) == (None, None)
 
 
+def test_a_degree_must_explain_the_factor_to_drift():
+    """b = 2 a up to a few float32 roundings is TP's factor; a factor 2.001 is not, however close."""
+    a = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    tol = tolerance("float32", 8).rtol
+    for factor, risk in ((np.float32(2) * (1 + np.float32(tol)), Risk.TP), (2.001, Risk.SCALE)):
+        b = (a * factor).astype(np.float32)
+        assert diagnose("x", "forward", "matmul", "", a, b, tol, [{"tp": 2}], False).risk is risk, factor
+
+
 def test_small_drift_is_called_numerical():
     a = np.random.default_rng(0).standard_normal((4, 8))
     tol = 1e-6
@@ -242,3 +251,91 @@ def test_cli_reports_divergence_table_and_plot(tmp_path):
     assert "category: TP" in proc.stdout and "DIVERGED" in proc.stdout
     assert (tmp_path / "err.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "r.json").read_text())["first_divergence"]["category"] == "TP"
+
+
+# ---- tolerances follow the computation, not the number of tensors dumped -------------------------------------
+DEEP_LAYERS, DEEP_HIDDEN, DEEP_TOKENS = 4, 256, 64
+
+
+def deep_step(blocks=256, reorder=False, fault=None):
+    """float32 records of a step computed for real: four tanh layers (outputs, k = hidden), a mean-square loss,
+    each layer's weight gradient dumped in `blocks` column blocks as an MoE layer dumps its experts' gradients
+    (k = tokens, what dW = X^T dY sums over) and two Adam moments of each block: 3077 tensors at 256 blocks, all
+    4 layers deep. `reorder` runs every sum in another order (a permuted reduction axis): the same step, other
+    roundings. `fault` = (name, size) moves one element of that tensor by size * max|tensor|."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((DEEP_TOKENS, DEEP_HIDDEN)).astype(np.float32)
+    ws = [(rng.standard_normal((DEEP_HIDDEN, DEEP_HIDDEN)) / np.sqrt(DEEP_HIDDEN)).astype(np.float32)
+          for _ in range(DEEP_LAYERS)]
+    orders = np.random.default_rng(1)
+
+    def matmul(a, b):
+        p = orders.permutation(a.shape[1]) if reorder else slice(None)
+        return a[:, p] @ b[p]
+    hs = [x]
+    for w in ws:
+        hs.append(np.tanh(matmul(hs[-1], w)))
+    squares = (hs[-1] ** 2).ravel()
+    loss = np.mean(squares[orders.permutation(squares.size)] if reorder else squares, dtype=np.float32)
+    dh, grads = 2 * hs[-1] / np.float32(squares.size), [None] * DEEP_LAYERS
+    for i in reversed(range(DEEP_LAYERS)):
+        dz = dh * (1 - hs[i + 1] ** 2)
+        grads[i] = matmul(hs[i].T, dz)
+        dh = matmul(dz, ws[i].T)
+    width = DEEP_HIDDEN // blocks
+    parts = [(f"layers.{i}.experts.{j}", i, grads[i][:, j * width:(j + 1) * width])
+             for i in range(DEEP_LAYERS) for j in range(blocks)]
+    records = [TensorRecord(f"layers.{i}.out", "forward", h, i, "layer", k=DEEP_HIDDEN, dims="th")
+               for i, h in enumerate(hs[1:])]
+    records.append(TensorRecord("loss", "loss", np.array(loss), None, "mse", k=squares.size))
+    records += [TensorRecord(f"grad.{n}", "grad", g, i, "grad", k=DEEP_TOKENS) for n, i, g in parts]
+    records += [TensorRecord(f"{state}.{n}", "optimizer", g * np.float32(0.1) if state == "exp_avg" else
+                             g * g * np.float32(0.05), i, state, k=1)
+                for state in ("exp_avg", "exp_avg_sq") for n, i, g in parts]
+    if fault:
+        name, size = fault
+        records = [TensorRecord(r.name, r.kind, _moved(r.value, size) if r.name == name else r.value, r.layer,
+                                r.operator, r.k, r.dims) for r in records]
+    return records
+
+
+def _moved(value, size):
+    out = np.array(value, np.float32)
+    out.flat[0] += np.float32(size * np.max(np.abs(out)))
+    return out
+
+
+DEEP_META = {"model_config_hash": "deep"}
+
+
+@pytest.fixture(scope="module")
+def deep_reference(tmp_path_factory):
+    return dump(tmp_path_factory.mktemp("deep") / "a", deep_step(), DEEP_META)
+
+
+def test_reordered_sums_of_a_deep_many_tensor_run_agree(deep_reference, tmp_path):
+    report = compare_runs(deep_reference, dump(tmp_path / "b", deep_step(reorder=True), DEEP_META))
+    assert report.first is None
+    assert all(r.max_rel_error > 0 for r in report.rows if r.entry.kind == "forward")  # the sums did change
+
+
+@pytest.mark.parametrize("fault", [("grad.layers.0.experts.0", 3e-3),             # the last gradient walked
+                                   ("exp_avg_sq.layers.3.experts.255", 5e-3)])   # the last tensor walked
+def test_a_small_fault_late_in_a_many_tensor_run_is_caught(deep_reference, tmp_path, fault):
+    """Before tolerances followed the computation, the 3000 tensors walked before these gave them a chain of
+    4.5e-3 and 6.4e-3: a fault of a few 1e-3 in one expert's gradient or moment went unseen."""
+    report = compare_runs(deep_reference, dump(tmp_path / "b", deep_step(reorder=True, fault=fault), DEEP_META))
+    assert report.first is not None and report.first.entry.name == fault[0]
+    assert report.first.max_rel_error > 10 * report.first.rtol
+
+
+def test_tolerance_follows_depth_not_the_tensor_count(tmp_path):
+    def rtols(blocks):
+        root = dump(tmp_path / str(blocks), deep_step(blocks), DEEP_META)
+        return {r.entry.name: r.rtol for r in compare_runs(root, root).rows}
+    few, many = rtols(4), rtols(256)
+    for name in ("layers.3.out", "loss", "grad.layers.0.experts.0", "exp_avg_sq.layers.3.experts.3"):
+        assert few[name] == many[name], name
+    # deeper forward outputs and gradients further down the backward get more
+    assert many["layers.0.out"] < many["layers.3.out"] < many["loss"]
+    assert many["loss"] < many["grad.layers.3.experts.0"] < many["grad.layers.0.experts.0"]

@@ -39,7 +39,7 @@ def test_expert_bias_is_not_trained_and_moves_by_its_rule(trainer):
     values, loads = trainer.train_step(trainer.loader.batch_at(0, 1))
     assert loads.shape == (len(trainer.biases), trainer.r.model.n_routed_experts)
     k, tokens = trainer.r.model.num_experts_per_tok, 4 * trainer.r.model.seq_length
-    assert np.allclose(loads.sum(-1), k * tokens)        # dropless: every routed copy is counted once
+    assert np.array_equal(loads.sum(-1), np.full(len(loads), k * tokens))  # dropless: each routed copy counted once
     delta = expert_bias_delta(loads, trainer.r.model.moe_router_bias_update_rate)
     for b, old, d in zip(trainer.biases, before, delta):
         np.testing.assert_array_equal(b.asnumpy(), old + d)
@@ -103,9 +103,14 @@ def test_each_step_applies_adamw_at_the_scheduled_learning_rate(trainer):
     the stored parameter, u * max|p|, which is compared with the step's size, lr."""
     import mindspore as ms
     from mindspore import Tensor
-    from precision.tolerance import relative_error, tolerance
+    from precision.tolerance import chain_tolerance, relative_error, tolerance
     o, opt = trainer.r.optimizer, trainer.optimizer
     b1, b2 = o.betas
+    # The step graph's global norm against NumPy's of the gradients forward_backward gives for the same weights
+    # and batch: each gradient's squares summed (K = its size), the sums added (K = the parameter count), a square
+    # root. Measured errors are at most 1.7e-7, thousands of times below: the kernels sum blockwise, not in one
+    # sequential run as the tolerance assumes.
+    norm_tol = chain_tolerance("float32", [max(p.size for p in trainer.weights), len(trainer.weights), 1])
     for step in range(3):
         trainer.step = step
         lr = trainer.learning_rate(step)
@@ -118,7 +123,7 @@ def test_each_step_applies_adamw_at_the_scheduled_learning_rate(trainer):
         norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads))
         grads = [g * o.grad_clip / max(norm, o.grad_clip) for g in grads]
         values, _ = trainer.train_step(batch)
-        assert values["lr"] == lr and np.isclose(values["grad_norm"], norm, rtol=1e-5)
+        assert values["lr"] == lr and relative_error(values["grad_norm"], norm) <= norm_tol.rtol
         moved, expected, scale = [], [], 0.0
         for (p, m, v), g, after in zip(before, grads, trainer.weights):
             wd = o.weight_decay if p.ndim >= 2 else 0.0
