@@ -36,7 +36,7 @@ from precision.signatures import Risk  # noqa: E402
 from telechat_moe.config import ModelConfig  # noqa: E402
 from telechat_moe.model import TeleChatMoE  # noqa: E402
 from telechat_moe.optim import build_adamw  # noqa: E402
-from test_pipeline_replay import HeadAndLoss, LayerChunk, replay_microbatches  # noqa: E402
+from telechat_moe.pipeline_chunks import HeadAndLoss, LayerChunk, replay_microbatches  # noqa: E402
 
 BATCH, SEQ, TP, SP_SHARDS, EP, MICRO = 2, 8, 2, 2, 2, 2
 PP, PP_FAULTY_STAGE = 2, 0
