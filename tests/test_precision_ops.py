@@ -12,7 +12,7 @@ from mindspore import ops
 
 from precision import ms_ops, op_check
 from precision import reference_ops as ref
-from precision.tolerance import tolerance
+from precision.tolerance import assert_close, tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -104,8 +104,8 @@ def test_rope_is_a_rotation_with_relative_positions():
         def at(x, p):
             cos, sin = ref.rope_tables(np.array([p]), inv_freq, interleaved=interleaved)
             return ref.apply_rope(x, cos, sin, interleaved)
-        np.testing.assert_allclose(np.linalg.norm(at(q, 37)), np.linalg.norm(q))
-        np.testing.assert_allclose(np.sum(at(q, 10) * at(k, 3)), np.sum(at(q, 107) * at(k, 100)))
+        assert_close(np.linalg.norm(at(q, 37)), np.linalg.norm(q), tolerance("float64", 32))
+        assert_close(np.sum(at(q, 10) * at(k, 3)), np.sum(at(q, 107) * at(k, 100)), tolerance("float64", 32))
 
 
 def test_yarn_matches_transformers():
@@ -120,7 +120,7 @@ def test_yarn_matches_transformers():
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
     ours = ref.yarn_inv_freq(64, 10000.0, 40.0, 4096, 32.0, 1.0)
     np.testing.assert_allclose(ours, inv_freq.double().numpy(), rtol=tolerance("float32").rtol)
-    assert np.isclose(attention_factor, ref.yarn_mscale(40.0, 1.0) / ref.yarn_mscale(40.0, 1.0))
+    assert_close(attention_factor, ref.yarn_mscale(40.0, 1.0) / ref.yarn_mscale(40.0, 1.0), tolerance("float64"))
     assert not np.allclose(ours, ref.yarn_inv_freq(64))  # the scaling does something
 
 
@@ -128,7 +128,7 @@ def test_router_and_dispatch_references():
     rng = np.random.default_rng(1)
     x, w, bias = rng.standard_normal((20, 8)), rng.standard_normal((6, 8)), np.zeros(6)
     indices, weights = ref.router_topk(x, w, bias, 3, 2.5)
-    np.testing.assert_allclose(weights.sum(-1), 2.5)
+    assert_close(weights.sum(-1), np.full(20, 2.5), tolerance("float64", 3))
     scores = ref.sigmoid(x @ w.T)
     assert np.all(np.take_along_axis(scores, indices, -1).min(-1) >= np.sort(scores, -1)[:, -3])
     # a large bias on one expert forces its selection but does not change the weights' formula
@@ -136,7 +136,7 @@ def test_router_and_dispatch_references():
     assert np.all(biased[:, 0] == 5)
     scale = rng.standard_normal((6, 8))
     loop = np.array([sum(weights[t, j] * x[t] * scale[indices[t, j]] for j in range(3)) for t in range(20)])
-    np.testing.assert_allclose(ref.dispatch_combine(x, indices, weights, scale), loop)
+    assert_close(ref.dispatch_combine(x, indices, weights, scale), loop, tolerance("float64", 3))
 
 
 def test_adamw_reference_against_a_written_out_step():
@@ -145,7 +145,7 @@ def test_adamw_reference_against_a_written_out_step():
                     weight_decay=0.1, step=2)
     m1, v1 = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
     expected = p * (1 - 0.001) - 0.01 * (m1 / (1 - 0.81)) / (np.sqrt(v1 / (1 - 0.99 ** 2)) + 1e-8)
-    np.testing.assert_allclose(out, (expected, m1, v1))
+    assert_close(np.array(out), np.array([expected, m1, v1]), tolerance("float64", 2))
 
 
 def test_attention_reference_is_causal():
@@ -155,5 +155,5 @@ def test_attention_reference_is_causal():
     changed = [a.copy() for a in args]
     for a in changed[2:]:
         a[:, 3:] += 1.0  # perturb keys and values of the last two positions
-    np.testing.assert_allclose(ref.mla_attention(*changed, scale=0.4)[:, :3], out[:, :3])
-    np.testing.assert_allclose(out[:, 0], args[4][:, 0])  # the first token sees only itself
+    assert_close(ref.mla_attention(*changed, scale=0.4)[:, :3], out[:, :3], tolerance("float64", 5))
+    assert_close(out[:, 0], args[4][:, 0], tolerance("float64", 5))  # the first token sees only itself
