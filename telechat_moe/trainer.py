@@ -138,6 +138,18 @@ class SumOverRanks(nn.Cell):
         return self.all_reduce(x)
 
 
+class GatherOverRanks(nn.Cell):
+    """Every rank's tensor concatenated along axis 0 in rank order: a data-parallel rank's batch slice back into
+    the global batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.all_gather = ops.AllGather()
+
+    def construct(self, x):
+        return self.all_gather(x)
+
+
 class LayerOutputs(nn.Cell):
     def __init__(self, model: TeleChatMoE):
         super().__init__(auto_prefix=False)
@@ -270,6 +282,7 @@ class Trainer:
             return None
         from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
         self.layer_outputs = LayerOutputs(self.model)
+        self.gather_over_ranks = GatherOverRanks() if self.world > 1 else None
         meta = {"model_config_hash": config_hash(self.r.model), "layout": layout_meta(self.r.layout),
                 "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
         return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
@@ -279,6 +292,8 @@ class Trainer:
         from precision.dump import TensorRecord
         ids, _, _, segments, positions = self._tensors(batch, slice(None))
         outs = self.layer_outputs(ids, segments, positions)
+        if self.world > 1:  # dump the global batch, so a data-parallel run compares with any other layout's
+            outs = [self.gather_over_ranks(o) for o in outs]
         h = self.r.model.hidden_size
         names = ["embed_tokens"] + [f"layers.{i}" for i in range(len(outs) - 2)] + ["norm"]
         return [TensorRecord(name, "forward", out, layer=i - 1 if name.startswith("layers.") else None,
@@ -290,8 +305,11 @@ class Trainer:
         from precision.dump import TensorRecord
         names = [p.name for p in self.weights]
         opt = self.optimizer
-        records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items()
-                             if k.endswith("loss")]
+        losses = {k: v for k, v in values.items() if k.endswith("loss")}
+        if self.world > 1:  # each rank's loss is its slice's mean; the global batch's is their mean
+            summed = self.sum_over_ranks(Tensor(np.array(list(losses.values()), np.float32))).asnumpy()
+            losses = dict(zip(losses, summed / self.world))
+        records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in losses.items()]
         records += grad_records(names, grads)
         records += optimizer_records({"adam_m": list(opt.exp_avg), "adam_v": list(opt.exp_avg_sq)}, names)
         self.dumper.write(step, records)

@@ -128,7 +128,7 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path):
     the gradient, so after n steps the weights cannot differ by more than 2 * sum(lr) per element (a tighter
     weight bound would be a guess: an element whose gradient is near zero may take a step of either sign)."""
     one, two = tmp_path / "dp1", tmp_path / "dp2"
-    common = SHORT + ["training.train_steps=3", "training.save_interval=1"]
+    common = SHORT + ["training.train_steps=3", "training.save_interval=1", "training.dump_steps=1"]
     proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*common, f"output_dir={one}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
@@ -163,6 +163,12 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path):
         assert np.max(np.abs(parallel[n] - single[n])) <= 2 * sum(lrs), n
     worst_w = max(relative_error(parallel[n], single[n]) for n in names)
     print(f"DP=2 vs one process after 3 steps: worst weight relative error {worst_w:.2e}")
+
+    # the alignment tool on the same two runs: the DP run's dump holds the global batch's forward outputs and
+    # losses (gathered and averaged over the ranks), so it aligns tensor by tensor with the one-process run's
+    report = run_cli("-m", "precision.compare", str(one / "dump"), str(two / "dump"), "--png", "")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "no divergence" in report.stdout, report.stdout
 
 
 # ---- crash safety -----------------------------------------------------------------------------------------------
