@@ -57,3 +57,34 @@ def test_kernel_choice_follows_the_device():
     from dvm_fusion.grouped_matmul import grouped_matmul_ascend, grouped_matmul_cpu, grouped_matmul_for
     assert grouped_matmul_for("CPU") is grouped_matmul_cpu
     assert grouped_matmul_for("Ascend") is grouped_matmul_ascend
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 2], [0, 0, 10, 0]])
+def test_ascend_binding_hands_grouped_matmul_its_documented_arguments(sizes, monkeypatch):
+    """MindSpore's GroupedMatmul runs on Ascend only, so its kernel is stood in for by the documented semantics
+    (split_item=3: one x and one y split by rows; group_type=0: groups along M; group_list: int64 cumulative row
+    ends, so group e is rows group_list[e-1]..group_list[e]). The binding must hand it exactly those, and with them
+    give what the CPU kernel gives, empty groups included."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+    from dvm_fusion.grouped_matmul import grouped_matmul_ascend, grouped_matmul_cpu
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    calls = []
+
+    def documented(xs, ws, *, group_list, split_item, group_type):
+        calls.append((split_item, group_type))
+        (x,), (w,) = [t.asnumpy() for t in xs], [t.asnumpy() for t in ws]
+        ends = group_list.asnumpy()
+        assert group_list.dtype == ms.int64 and len(ends) == w.shape[0] and ends[-1] == x.shape[0]
+        assert np.all(np.diff(ends) >= 0), "group_list must hold cumulative ends, not sizes"
+        starts = np.concatenate([[0], ends[:-1]])
+        return [Tensor(np.concatenate([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, ends))]))]
+
+    monkeypatch.setattr(ops.auto_generate, "grouped_matmul", documented)
+    rng = np.random.default_rng(1)
+    x = Tensor(rng.standard_normal((sum(sizes), 16)).astype(np.float32))
+    w = Tensor(rng.standard_normal((len(sizes), 16, 8)).astype(np.float32))
+    g = Tensor(np.array(sizes, np.int32))
+    got = grouped_matmul_ascend(x, w, g).asnumpy()
+    assert calls == [(3, 0)]
+    assert_close(got, grouped_matmul_cpu(x, w, g).asnumpy(), tolerance("float32", 16))
