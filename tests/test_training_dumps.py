@@ -1,5 +1,6 @@
-"""The trainer's tensor dumps feed precision.compare: two identical runs agree; a run from other initial weights
-diverges first at the embedding's forward output; a run of another model is refused with one line."""
+"""The trainer's tensor dumps feed precision.compare: a run from other initial weights diverges first at the
+embedding's forward output; a run of another model is refused with one line. (Runs that should agree do: the
+data-parallel test in test_training.py compares a DP=2 run's dump with a one-process run's.)"""
 from __future__ import annotations
 
 from tests.helpers import assert_one_line_error, run_cli
@@ -19,11 +20,8 @@ def train(out, *extra, tokenizer=None):
 def test_dumps_compare_and_localise(tmp_path):
     a = train(tmp_path / "a")
     tok = tmp_path / "a" / "tokenizer.model"
-    b = train(tmp_path / "b", tokenizer=tok)
     names = sorted(p.name for p in a.iterdir())
     assert "run.json" in names and "step_00000001.rank0.safetensors" in names and "step_00000002.rank0.json" in names
-    same = run_cli("-m", "precision.compare", str(a), str(b), "--png", str(tmp_path / "same.png"))
-    assert same.returncode == 0, same.stdout + same.stderr
 
     c = train(tmp_path / "c", "seed=7", tokenizer=tok)
     diverged = run_cli("-m", "precision.compare", str(a), str(c), "--png", str(tmp_path / "diverged.png"))
