@@ -41,7 +41,13 @@ class DecoderLayer(nn.Cell):
 
     def construct(self, x, cos, sin, mask):
         """-> (hidden, aux loss, z loss, expert load); dense layers report zero losses and load."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask).astype(x.dtype)
+        return self.ffn_block(self.attention_block(x, cos, sin, mask))
+
+    # the two residual sublayers, apart so that tensor dumps can hold the stream between them
+    def attention_block(self, x, cos, sin, mask):
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask).astype(x.dtype)
+
+    def ffn_block(self, x):
         if self.is_moe:
             y, aux, z, load = self.mlp(self.post_attention_layernorm(x))
             return x + y.astype(x.dtype), aux, z, load
@@ -126,13 +132,16 @@ class TeleChatMoE(nn.Cell):
         return h, aux, z, loads, (cos, sin, bias)
 
     def layer_outputs(self, input_ids, segment_ids, position_ids):
-        """The embedding, every decoder layer's output and the final norm, in forward order (for tensor dumps)."""
+        """The embedding, each decoder layer's residual stream after its attention and after its FFN, and the final
+        norm, in forward order (for tensor dumps)."""
         cos, sin = self.rope(position_ids)
         bias = self.attention_mask(segment_ids)
         h = self.embed(input_ids)
         outs = [h]
         for layer in self.layers:
-            h = layer(h, cos, sin, bias)[0]
+            h = layer.attention_block(h, cos, sin, bias)
+            outs.append(h)
+            h = layer.ffn_block(h)[0]
             outs.append(h)
         outs.append(self.norm(h))
         return tuple(outs)

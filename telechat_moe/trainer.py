@@ -294,11 +294,15 @@ class Trainer:
         outs = self.layer_outputs(ids, segments, positions)
         if self.world > 1:  # dump the global batch, so a data-parallel run compares with any other layout's
             outs = [self.gather_over_ranks(o) for o in outs]
-        h = self.r.model.hidden_size
-        names = ["embed_tokens"] + [f"layers.{i}" for i in range(len(outs) - 2)] + ["norm"]
-        return [TensorRecord(name, "forward", out, layer=i - 1 if name.startswith("layers.") else None,
-                             operator="decoder_layer" if name.startswith("layers.") else name, k=h, dims="bsh")
-                for i, (name, out) in enumerate(zip(names, outs))]
+        m = self.r.model
+        # (name, layer, operator) of each output: the embedding, per layer the stream after attention and after
+        # the FFN (MoE or dense), the final norm
+        where = [("embed_tokens", None, "embed_tokens")]
+        for i, layer in enumerate(self.model.layers):
+            where += [(f"layers.{i}.self_attn", i, "self_attn"), (f"layers.{i}", i, "moe" if layer.is_moe else "mlp")]
+        where.append(("norm", None, "norm"))
+        return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=m.hidden_size, dims="bsh")
+                for (name, layer, op), out in zip(where, outs)]
 
     def _dump(self, step: int, forward: list, values: dict, grads) -> None:
         from precision.capture import grad_records, optimizer_records

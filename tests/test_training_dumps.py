@@ -3,6 +3,8 @@ embedding's forward output; a run of another model is refused with one line. (Ru
 data-parallel test in test_training.py compares a DP=2 run's dump with a one-process run's.)"""
 from __future__ import annotations
 
+import json
+
 from tests.helpers import assert_one_line_error, run_cli
 
 SHORT = ["model.seq_length=32", "model.max_position_embeddings=32", "model.original_max_position_embeddings=32",
@@ -22,6 +24,12 @@ def test_dumps_compare_and_localise(tmp_path):
     tok = tmp_path / "a" / "tokenizer.model"
     names = sorted(p.name for p in a.iterdir())
     assert "run.json" in names and "step_00000001.rank0.safetensors" in names and "step_00000002.rank0.json" in names
+    index = json.loads((a / "step_00000001.rank0.json").read_text())
+    forward = [(e["name"], e["layer"], e["operator"]) for e in index if e["kind"] == "forward"]
+    # tiny: layer 0 dense, the others MoE; each layer's stream after its attention and after its FFN
+    assert forward[:5] == [("embed_tokens", None, "embed_tokens"), ("layers.0.self_attn", 0, "self_attn"),
+                           ("layers.0", 0, "mlp"), ("layers.1.self_attn", 1, "self_attn"), ("layers.1", 1, "moe")]
+    assert forward[-1] == ("norm", None, "norm")
 
     c = train(tmp_path / "c", "seed=7", tokenizer=tok)
     diverged = run_cli("-m", "precision.compare", str(a), str(c), "--png", str(tmp_path / "diverged.png"))
