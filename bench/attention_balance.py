@@ -16,9 +16,9 @@ FLOP counter), or --cost FILE (a calibration from scripts/fit_attention_cost.py)
 (per method, mean of the batches), the lower bound on max/mean (the most expensive indivisible sample for reorder;
 the document pieces for repack, `repack_bound`), max/mean over DP ranks, CPU milliseconds per global batch to
 plan it and gather one rank's share (what each rank does; time.process_time of this single-threaded process,
-median and minimum of the timed runs, mean and worst over the batches: CPU time leaves out the time other processes of a shared machine hold the
-core; BLAS/OpenMP threads are pinned to 1 before NumPy loads), and how many document pieces repack cuts (extra
-pieces per sample).
+median and minimum of the timed runs, mean and worst over the batches: CPU time leaves out the time other
+processes of a shared machine hold the core; BLAS/OpenMP threads are pinned to 1 before NumPy loads), and how many
+document pieces repack cuts (extra pieces per sample).
 """
 from __future__ import annotations
 

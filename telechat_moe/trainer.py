@@ -129,25 +129,17 @@ class MoveExpertBiases(nn.Cell):
         return self.map(ops.assign_add, self.biases, deltas)
 
 
-class SumOverRanks(nn.Cell):
-    def __init__(self):
+class OverRanks(nn.Cell):
+    """One collective over the data-parallel ranks (the world group on CPU): ops.AllReduce() sums a tensor,
+    ops.AllGather() concatenates every rank's along axis 0 in rank order (a rank's batch slice back into the
+    global batch)."""
+
+    def __init__(self, collective):
         super().__init__()
-        self.all_reduce = ops.AllReduce()
+        self.collective = collective
 
     def construct(self, x):
-        return self.all_reduce(x)
-
-
-class GatherOverRanks(nn.Cell):
-    """Every rank's tensor concatenated along axis 0 in rank order: a data-parallel rank's batch slice back into
-    the global batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.all_gather = ops.AllGather()
-
-    def construct(self, x):
-        return self.all_gather(x)
+        return self.collective(x)
 
 
 class LayerOutputs(nn.Cell):
@@ -245,7 +237,7 @@ class Trainer:
         self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, p.data_parallel,
                                                                            o.grad_clip),
                                     self.optimizer, p.micro_batch_num)
-        self.sum_over_ranks = SumOverRanks() if p.data_parallel > 1 else None
+        self.sum_over_ranks = OverRanks(ops.AllReduce()) if p.data_parallel > 1 else None
         self.evaluate = Evaluate(self.model)
         self.biases = expert_biases(self.model)
         self.move_biases = (MoveExpertBiases(self.biases)
@@ -282,7 +274,7 @@ class Trainer:
             return None
         from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
         self.layer_outputs = LayerOutputs(self.model)
-        self.gather_over_ranks = GatherOverRanks() if self.world > 1 else None
+        self.gather_over_ranks = OverRanks(ops.AllGather()) if self.sum_over_ranks is not None else None
         meta = {"model_config_hash": config_hash(self.r.model), "layout": layout_meta(self.r.layout),
                 "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
         return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
@@ -292,16 +284,15 @@ class Trainer:
         from precision.dump import TensorRecord
         ids, _, _, segments, positions = self._tensors(batch, slice(None))
         outs = self.layer_outputs(ids, segments, positions)
-        if self.world > 1:  # dump the global batch, so a data-parallel run compares with any other layout's
+        if self.gather_over_ranks is not None:  # the global batch: a DP run compares with any layout's
             outs = [self.gather_over_ranks(o) for o in outs]
-        m = self.r.model
         # (name, layer, operator) of each output: the embedding, per layer the stream after attention and after
         # the FFN (MoE or dense), the final norm
         where = [("embed_tokens", None, "embed_tokens")]
         for i, layer in enumerate(self.model.layers):
             where += [(f"layers.{i}.self_attn", i, "self_attn"), (f"layers.{i}", i, "moe" if layer.is_moe else "mlp")]
         where.append(("norm", None, "norm"))
-        return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=m.hidden_size, dims="bsh")
+        return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=self.r.model.hidden_size, dims="bsh")
                 for (name, layer, op), out in zip(where, outs)]
 
     def _dump(self, step: int, forward: list, values: dict, grads) -> None:
@@ -310,7 +301,7 @@ class Trainer:
         names = [p.name for p in self.weights]
         opt = self.optimizer
         losses = {k: v for k, v in values.items() if k.endswith("loss")}
-        if self.world > 1:  # each rank's loss is its slice's mean; the global batch's is their mean
+        if self.sum_over_ranks is not None:  # each rank's loss is its slice's mean; the batch's their mean
             summed = self.sum_over_ranks(Tensor(np.array(list(losses.values()), np.float32))).asnumpy()
             losses = dict(zip(losses, summed / self.world))
         records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in losses.items()]
