@@ -92,13 +92,18 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def choose_experts(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
+    """(t, k) experts of each token: the top-k of score + bias, in descending order (ties by expert index)."""
+    return np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :top_k]
+
+
 def router_topk(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, top_k: int,
                 routed_scaling: float) -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid scores, top-k selection on score + bias (the aux-loss-free balancing bias picks experts but does
     not weight them), weights normalised over the selection and multiplied by the routed scaling.
     Returns (indices (t,k), weights (t,k)), experts in descending order of score + bias."""
     scores = sigmoid(x @ weight.T)
-    indices = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :top_k]
+    indices = choose_experts(scores, bias, top_k)
     picked = np.take_along_axis(scores, indices, axis=-1)
     return indices, picked / np.sum(picked, axis=-1, keepdims=True) * routed_scaling
 
