@@ -22,4 +22,4 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(VENV)/.test
-	$(PY) bench/train_throughput.py
+	$(PY) -m bench.train_throughput

@@ -9,7 +9,7 @@ import sys
 
 
 def parse_args(argv):
-    from telechat_moe.errors import OneLineParser
+    from oneline import OneLineParser
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True, help="a recipe file, or its name in recipes/ (tiny, 105b, 1t ...)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
@@ -47,9 +47,8 @@ def distributed_world() -> tuple[int, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
-    from data_sched.errors import DataError
-    from parallel.layout import LayoutError
-    from telechat_moe.errors import CheckpointError, RecipeError
+    from oneline import InputError
+    from telechat_moe.errors import RecipeError
     from telechat_moe.recipe import check_trainable, launched_processes, load_recipe, validate
     try:
         recipe = load_recipe(args.recipe, args.set)
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
             trainer.resume()
         trainer.fit()
         return 0
-    except (RecipeError, DataError, CheckpointError, LayoutError) as e:
+    except InputError as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,7 @@
 """Attention-aware balancing of global batches: slot cost spread before/after, bounds, and time per batch.
 
-    python bench/attention_balance.py                      # all cases, writes output/bench/attention_balance.*
-    python bench/attention_balance.py --seq 32768 --dp 8 --batches 2
+    python -m bench.attention_balance                      # all cases, writes output/bench/attention_balance.*
+    python -m bench.attention_balance --seq 32768 --dp 8 --batches 2
 
 For each document-length source (the shared sample corpus tokenized, resampled with replacement to fill the
 batches; a synthetic log-normal long tail) x sequence length (32K, 128K) x DP (8, 64, 512), global batches of 1024
@@ -35,10 +35,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from telechat_moe.errors import OneLineParser  # noqa: E402
 
+from oneline import OneLineParser  # noqa: E402
 from data_sched.attention_balance import (DocLengths, balance_global_batch, balanced_partition,  # noqa: E402
                                          lower_bounds)
 from data_sched.attention_cost import CostModel  # noqa: E402

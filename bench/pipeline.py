@@ -1,10 +1,10 @@
 """Simulated step time and bubble of 1F1B, interleaved 1F1B and the overlapped variant over a grid of (p, v, m),
 optionally the Gantt charts, and the layer placement of a recipe (balanced against the equal-layer split).
 
-    .venv/bin/python bench/pipeline.py                                   # the grid table
-    .venv/bin/python bench/pipeline.py --gantt-dir docs/img              # + docs/img/pipeline_*.png (p=4, v=2, m=8)
-    .venv/bin/python bench/pipeline.py --recipe recipes/1t.yaml          # + placement of the 1t layout
-    .venv/bin/python bench/pipeline.py --p 16 --v 2 --m 64 --recipe recipes/1t.yaml --cluster ascend910b
+    .venv/bin/python -m bench.pipeline                                   # the grid table
+    .venv/bin/python -m bench.pipeline --gantt-dir docs/img              # + docs/img/pipeline_*.png (p=4, v=2, m=8)
+    .venv/bin/python -m bench.pipeline --recipe recipes/1t.yaml          # + placement of the 1t layout
+    .venv/bin/python -m bench.pipeline --p 16 --v 2 --m 64 --recipe recipes/1t.yaml --cluster ascend910b
 
 Grid costs per stage and micro-batch: forward 1, backward 2 (time units), split evenly over the stage's chunks; an
 in-pass communication (the expert all-to-all) of --comm-fraction of compute and a point-to-point transfer of --p2p.
@@ -18,14 +18,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from telechat_moe.errors import OneLineParser  # noqa: E402
-
-from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, equal_layer_split,  # noqa: E402
+from oneline import OneLineParser
+from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, equal_layer_split,
                                          memory_limit, placement_p2p, planner_units, recipe_workload)
-from parallel.pipeline.schedules import ScheduleError, build, validate  # noqa: E402
-from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble  # noqa: E402
+from parallel.pipeline.schedules import ScheduleError, build, validate
+from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
 
 SCHEDULES = ("1f1b", "interleaved", "overlapped")
 

@@ -7,7 +7,7 @@ reference probe beside each step (in the same process(es)); the planner predicts
 parallel/planner/clusters/cpu.yaml (run `python -m parallel.planner.calibrate` first: it measures the machine and
 fits the runtime constants on probe recipes, none of which is a case here), the step time at the machine's speed
 then: the predicted time at calibration speed x the reference step now / the reference step at calibration.
-Run: python bench/planner_accuracy.py [--rounds 7] [--only NAME ...] [--png accuracy.png] [--json rows.json]
+Run: python -m bench.planner_accuracy [--rounds 7] [--only NAME ...] [--png accuracy.png] [--json rows.json]
 """
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from telechat_moe.errors import OneLineParser  # noqa: E402
 
-from parallel.planner.calibrate import REFERENCE  # noqa: E402
-from parallel.planner.cluster import load_cluster  # noqa: E402
-from parallel.planner.probe import measure_steps, predict_step  # noqa: E402
+from oneline import OneLineParser
+from parallel.planner.calibrate import REFERENCE
+from parallel.planner.cluster import load_cluster
+from parallel.planner.probe import measure_steps, predict_step
 
 CONFIGS = [  # name, recipe, overrides (data_parallel > 1 runs under msrun)
     ("tiny", "tiny", []),

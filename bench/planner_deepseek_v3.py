@@ -21,20 +21,15 @@ Assumptions of this prediction (ours, not DeepSeek's):
 - the `node_dedup` EP scheme (DeepEP: a token crosses IB once per destination node, at most 4 nodes under
   DeepSeek-V3's group-limited routing, n_group 8, topk_group 4, then NVLink forwarding);
 - layers per chunk by the planner's ILP under the 80 GB memory limit.
-Run: python bench/planner_deepseek_v3.py
+Run: python -m bench.planner_deepseek_v3
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from parallel.planner.cluster import load_cluster  # noqa: E402
-from parallel.planner.cost_model import Precision, Workload  # noqa: E402
-from parallel.planner.model_shape import ModelShape  # noqa: E402
-from parallel.planner.simulate import simulate_layout  # noqa: E402
-from parallel.planner.stage_ilp import solve_ilp  # noqa: E402
+from parallel.planner.cluster import load_cluster
+from parallel.planner.cost_model import Precision, Workload
+from parallel.planner.model_shape import ModelShape
+from parallel.planner.simulate import simulate_layout
+from parallel.planner.stage_ilp import solve_ilp
 
 PUBLISHED = {"pretraining_only": 14.8e12 / (2664e3 * 3600), "all_gpu_hours": 14.8e12 / (2788e3 * 3600)}
 

@@ -4,7 +4,7 @@ MFU = achieved model FLOP/s (training FLOPs per token from the planner's counter
 of this machine, measured in the same run right before and after each recipe (these machines are noisy, so only
 side-by-side ratios mean anything). Peak memory is the process's peak resident set.
 
-    .venv/bin/python bench/train_throughput.py [--recipes tiny small] [--steps 8]
+    .venv/bin/python -m bench.train_throughput [--recipes tiny small] [--steps 8]
 """
 from __future__ import annotations
 
@@ -17,13 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from telechat_moe.errors import OneLineParser  # noqa: E402
-
-from parallel.planner.calibrate import gemm_flops  # noqa: E402
-from parallel.planner.model_shape import flops_per_token  # noqa: E402
-from telechat_moe.recipe import load_recipe  # noqa: E402
+from oneline import OneLineParser
+from parallel.planner.calibrate import gemm_flops
+from parallel.planner.model_shape import flops_per_token
+from telechat_moe.recipe import load_recipe
 
 
 def measure(name: str, steps: int) -> dict:
@@ -62,8 +59,8 @@ def main() -> int:
     rows = []
     for name in args.recipes:
         # One process per recipe, so that peak memory is that recipe's own.
-        proc = subprocess.run([sys.executable, __file__, "--one", name, "--steps", str(args.steps)],
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--one", name, "--steps", str(args.steps)],
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from oneline import InputError
+
 
 class Axis(str, Enum):
     DP = "dp"
@@ -21,7 +23,7 @@ class Axis(str, Enum):
     EDP = "edp"  # expert-data-parallel: replicas of one expert shard
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError):
     """A parallel layout that cannot exist; the message names the field."""
 
 

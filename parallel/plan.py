@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from oneline import InputError, OneLineParser
 from parallel.layout import LayoutError, ParallelLayout
 from parallel.planner.cluster import ClusterError, load_cluster
 from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Precision, Workload, evaluate
@@ -19,13 +20,12 @@ from parallel.planner.report import GIB, layout_text, plot, stage_text, table, w
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import even_assignment, score_assignment, solve_ilp
-from telechat_moe.errors import OneLineParser
 
 DTYPES = {"float32": ("fp32", 4), "bfloat16": ("bf16", 2), "float16": ("fp16", 2)}
 EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """Bad input to the planner; the message is the one line the user sees."""
 
 

@@ -22,10 +22,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from oneline import OneLineParser
 from precision.dump import DumpError, DumpRun, IndexEntry, open_run
 from precision.signatures import Diagnosis, diagnose
 from precision.tolerance import UNIT_ROUNDOFF, mean_relative_error, relative_error, tolerance
-from telechat_moe.errors import OneLineParser
 
 WALK = ("forward", "loss", "grad", "optimizer")
 

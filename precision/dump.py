@@ -26,12 +26,14 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from oneline import InputError
+
 FORMAT = "precision-dump/1"
 KINDS = ("forward", "loss", "grad", "optimizer")
 _STEP_FILE = re.compile(r"^step_(\d+)\.rank(\d+)\.json$")
 
 
-class DumpError(ValueError):
+class DumpError(InputError):
     """A dump that cannot be written or read; the message is one line that names the file or field."""
 
 

@@ -22,9 +22,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from oneline import OneLineParser
 from precision import reference_ops as ref
 from precision.tolerance import chain_tolerance, dtype_name, mean_relative_error, relative_error, round_to
-from telechat_moe.errors import OneLineParser
 
 Inputs = Mapping[str, np.ndarray]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from oneline import OneLineParser
 from precision.tolerance import dtype_name, round_to, tolerance
-from telechat_moe.errors import OneLineParser
 
 DATA_KINDS = ("signed", "positive")
 

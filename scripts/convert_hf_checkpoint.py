@@ -1,7 +1,7 @@
 """Convert transformers DeepseekV3/DeepseekV2 checkpoints to TeleChatMoE parameters and back.
 
-    python scripts/convert_hf_checkpoint.py --to-ours HF_DIR OUT.safetensors
-    python scripts/convert_hf_checkpoint.py --to-hf CKPT.safetensors HF_OUT_DIR [--recipe R] [--dtype bfloat16]
+    python -m scripts.convert_hf_checkpoint --to-ours HF_DIR OUT.safetensors
+    python -m scripts.convert_hf_checkpoint --to-hf CKPT.safetensors HF_OUT_DIR [--recipe R] [--dtype bfloat16]
 
 --to-ours reads HF_DIR/config.json and its safetensors (one file or indexed shards) and writes our parameters in
 float32 with the model config in the file's metadata, plus OUT.model.yaml: the `model:` section for a recipe.
@@ -16,11 +16,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import yaml
 
-import yaml  # noqa: E402
-
-from telechat_moe import hf_adapter as hfa  # noqa: E402
+from telechat_moe import hf_adapter as hfa
 
 CONFIG_KEY = "telechat_moe.model_config"
 PROG = "convert_hf_checkpoint"

@@ -1,12 +1,12 @@
 """Fit the per-sample cost model t = a*sum(l^2) + b*sum(l) + c from measured forward+backward times, and check
 that balancing by it shrinks the measured spread of per-slot times.
 
-    python scripts/fit_attention_cost.py --seq 1024 --bucket 256 --set model.num_attention_heads=16 --skip-batch \
+    python -m scripts.fit_attention_cost --seq 1024 --bucket 256 --set model.num_attention_heads=16 --skip-batch \
         --out output/attention_cost.json                                   # calibrate (step 1)
-    python scripts/fit_attention_cost.py --seq 1024 --set model.num_attention_heads=16 \
+    python -m scripts.fit_attention_cost --seq 1024 --set model.num_attention_heads=16 \
         --cost output/attention_cost.json --global-batch 16 --dp 2 --micro-batch-num 2 --batch-seed 5 \
         --out output/attention_slots.json                                  # step 2
-    python scripts/fit_attention_cost.py --from-measurements times.json --out cost.json   # e.g. measured on Ascend
+    python -m scripts.fit_attention_cost --from-measurements times.json --out cost.json   # e.g. measured on Ascend
 
 Measuring (the real TeleChat3-MoE model of the recipe with model.attention_kernel=varlen, graph mode, the trainer's
 ForwardBackward cell; CPU seconds of the process, all threads, which a shared machine's other load disturbs far
@@ -39,10 +39,9 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from telechat_moe.errors import OneLineParser  # noqa: E402
 
+from oneline import OneLineParser  # noqa: E402
 from data_sched.attention_cost import CostModel, fit_attention_cost, length_moments  # noqa: E402
 from data_sched.errors import DataError  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Tokenize JSONL / text corpora into a Megatron-compatible indexed dataset (<prefix>.bin + <prefix>.idx).
 
-    python scripts/preprocess_data.py --input corpus.jsonl more.txt --output-prefix data/corpus \
+    python -m scripts.preprocess_data --input corpus.jsonl more.txt --output-prefix data/corpus \
         --tokenizer tok.model --workers 4
-    python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus --vocab-size 32000
+    python -m scripts.preprocess_data --input corpus.jsonl --output-prefix data/corpus --vocab-size 32000
 
 Without --tokenizer one is trained on the input (written to <prefix>.model). Documents are tokenized by a pool of
 workers in input order (the output does not depend on --workers) with a progress bar; the files are written under
@@ -17,13 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from telechat_moe.errors import OneLineParser  # noqa: E402
-
-from data_sched.errors import DataError  # noqa: E402
-from data_sched.sources import load_texts  # noqa: E402
-from data_sched.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from oneline import OneLineParser
+from data_sched.errors import DataError
+from data_sched.sources import load_texts
+from data_sched.tokenizer import Tokenizer, train_tokenizer
 
 CHUNK = 64  # documents per task: large enough to amortise pickling, small enough for a smooth progress bar
 

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from oneline import InputError
 from telechat_moe.config import MODEL_FIELDS, ModelConfig
 
 V3, V2 = "deepseek_v3", "deepseek_v2"
@@ -40,7 +41,7 @@ ARCHITECTURES = {V3: "DeepseekV3ForCausalLM", V2: "DeepseekV2ForCausalLM"}
 HF_LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
 
-class ConversionError(ValueError):
+class ConversionError(InputError):
     """A checkpoint or config that cannot be converted; the message names the tensor or key."""
 
 

@@ -299,8 +299,8 @@ def test_flops_model_splits_attention_from_the_rest():
 # ---- scripts/fit_attention_cost.py without the model -------------------------------------------------------------
 
 def _fit_script(*args):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "fit_attention_cost.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "scripts.fit_attention_cost", *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def test_fit_script_fits_given_measurements_and_writes_a_loadable_calibration(tmp_path):

@@ -76,7 +76,7 @@ def test_bad_indexed_files_raise_one_line(tmp_path):
 
 
 def _run(*args, cwd=REPO):
-    return subprocess.run([PYTHON, "scripts/preprocess_data.py", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "scripts.preprocess_data", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "LOG_MF_PATH": "/tmp/telechat_mf_log"}, timeout=300)
 
 

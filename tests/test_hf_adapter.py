@@ -18,7 +18,6 @@ from telechat_moe import hf_adapter as hfa  # noqa: E402
 from telechat_moe.config import ModelConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "convert_hf_checkpoint.py")
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=3,
             num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -68,7 +67,7 @@ def with_mtp(state: dict, config: dict, rng) -> dict:
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "scripts.convert_hf_checkpoint", *map(str, args)], capture_output=True, text=True, cwd=ROOT)
 
 
 def assert_one_line_error(result, *fragments):

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pipeline.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "bench.pipeline", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
 
 

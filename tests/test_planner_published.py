@@ -9,11 +9,10 @@ import pytest
 from parallel.planner.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def test_deepseek_v3_tokens_per_gpu_within_20_percent():
-    from planner_deepseek_v3 import PUBLISHED, predict
+    from bench.planner_deepseek_v3 import PUBLISHED, predict
 
     r = predict()
     print(r)

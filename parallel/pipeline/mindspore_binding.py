@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oneline import InputError
 from parallel.layout import LayoutError, ParallelLayout
 from parallel.pipeline.placement import Placement
 
@@ -36,7 +37,7 @@ SCHEDULERS = {"1f1b": (False, "1f1b"), "interleaved": (True, "1f1b"), "gpipe": (
 OVERLAPPED_COMM = "AlltoAll,AlltoAllV"  # the expert all-to-all is what the paired backward hides
 
 
-class BindingError(ValueError):
+class BindingError(InputError):
     """The plan and the layout or network disagree; the message names the field."""
 
 

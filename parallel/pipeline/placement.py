@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from oneline import InputError
 from parallel.planner.cost_model import Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory, stage_parts
 from parallel.planner.cost_model import in_flight as held_micro_batches
 from parallel.pipeline.simulator import StageCosts
@@ -26,7 +27,7 @@ from parallel.pipeline.simulator import StageCosts
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
 
 
-class PlacementError(ValueError):
+class PlacementError(InputError):
     """No placement satisfies the request; the message says which constraint."""
 
 

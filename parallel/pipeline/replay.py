@@ -32,6 +32,7 @@ from typing import Callable, ContextManager, Sequence
 
 import numpy as np
 
+from oneline import InputError
 from parallel.pipeline.schedules import Action, Kind, Schedule, validate
 
 
@@ -44,7 +45,7 @@ class ReplayResult:
     peak_stored: tuple[int, ...]  # per stage: most stored chunk inputs (activations) held at once
 
 
-class ReplayError(ValueError):
+class ReplayError(InputError):
     """Chunks, micro-batches and schedule do not fit together."""
 
 

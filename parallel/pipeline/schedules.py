@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from oneline import InputError
+
 
 class Kind(str, Enum):
     F = "F"
@@ -29,7 +31,7 @@ class Action:
         return f"{self.kind.value}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(InputError):
     """A schedule that cannot run; the message names the stage and action."""
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from oneline import OneLineParser
 from parallel.planner.cluster import CLUSTER_DIR, GIB, Runtime, cluster_from_dict
-from telechat_moe.errors import OneLineParser
 
 
 def _best_seconds(fn, repeats: int) -> float:

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import yaml
 
+from oneline import InputError
+
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 GIB = 2 ** 30
 
 
-class ClusterError(ValueError):
+class ClusterError(InputError):
     """A cluster file that cannot be used; the message names the file and the field."""
 
 
