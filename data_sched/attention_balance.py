@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from data_sched.attention_cost import CostModel
+from data_sched.errors import DataError
 
 MODES = ("off", "reorder", "repack")
 # Swapping stops once the heaviest part is this close to its lower bound: closer is below timing noise.
@@ -534,14 +535,19 @@ def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fix
     return layout, pool_slots, sample_sq
 
 
+def check_balance_mode(mode: str) -> None:
+    """The one check of `data.attention_balance` (the recipe, the loader and `balance_global_batch` call it)."""
+    if mode not in MODES:
+        raise DataError(f"data.attention_balance: expected {', '.join(MODES[:-1])} or {MODES[-1]}, got {mode!r}")
+
+
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mode: str, dp: int,
                          micro_batch_num: int, cost_model: CostModel, seed: int) -> BatchAssignment:
     """Assign the G samples of one global batch (given by their document lengths) to (rank, micro-batch) slots.
 
     Pure and deterministic for (inputs, seed): every rank computes the same assignment and takes its share.
     """
-    if mode not in MODES:
-        raise ValueError(f"data.attention_balance: expected one of {', '.join(MODES)}, got {mode!r}")
+    check_balance_mode(mode)
     batch = DocLengths.of(samples_doc_lens)
     g = len(batch)
     slots = dp * micro_batch_num

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_sched.attention_balance import MODES, DocLengths, balance_global_batch
+from data_sched.attention_balance import DocLengths, balance_global_batch, check_balance_mode
 from data_sched.attention_cost import CostModel
 from data_sched.errors import DataError
 from data_sched.packing import PackedSamples, doc_lens_to_segment_ids
@@ -51,8 +51,7 @@ class BatchLoader:
         if global_batch_size < 1 or global_batch_size % dp_size:
             raise DataError(f"global_batch_size: expected a positive multiple of data_parallel={dp_size}, "
                             f"got {global_batch_size}")
-        if attention_balance not in MODES:
-            raise DataError(f"data.attention_balance: expected one of {', '.join(MODES)}, got {attention_balance!r}")
+        check_balance_mode(attention_balance)
         if micro_batch_num < 1 or global_batch_size % (dp_size * micro_batch_num):
             raise DataError(f"global_batch_size: expected a multiple of data_parallel x micro_batch_num = "
                             f"{dp_size} x {micro_batch_num}, got {global_batch_size}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from parallel.layout import LayoutError, ParallelLayout
-from telechat_moe.config import ModelConfig
+from telechat_moe.config import TRAINABLE_DISPATCHERS, ModelConfig
 from telechat_moe.errors import RecipeError
 
 # Names users bring from other frameworks, pointed at ours.
@@ -23,9 +23,6 @@ ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "n
            "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
            "max_steps": "train_steps", "batch_size": "global_batch_size"}
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
-# The planner prices all three schemes; training builds only the local one (telechat_moe/moe/dispatch.py).
-DISPATCHERS = ("local", "alltoall", "hierarchical")
-TRAINABLE_DISPATCHERS = ("local",)
 
 
 @dataclass
@@ -271,58 +268,7 @@ def _require(cond: bool, message: str) -> None:
 
 def validate(r: Recipe, world_size: int | None = None) -> None:
     m, p, t = r.model, r.parallel_config, r.training
-    for key in ("vocab_size", "seq_length", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-                "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings",
-                "original_max_position_embeddings"):
-        _require(getattr(m, key) >= 1, f"model.{key}: expected a positive integer, got {getattr(m, key)}")
-    for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
-        _require(getattr(m, key) >= 0, f"model.{key}: expected 0 or more, got {getattr(m, key)}")
-    _require(m.num_experts_per_tok <= m.n_routed_experts,
-             f"model.num_experts_per_tok: top-{m.num_experts_per_tok} needs at least that many experts "
-             f"(n_routed_experts={m.n_routed_experts})")
-    _require(m.first_k_dense_replace <= m.num_hidden_layers,
-             f"model.first_k_dense_replace: {m.first_k_dense_replace} exceeds num_hidden_layers={m.num_hidden_layers}")
-    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim: RoPE needs an even size, got {m.qk_rope_head_dim}")
-    _require(m.first_k_dense_replace == 0 or m.intermediate_size >= 1,
-             "model.intermediate_size: dense layers need a positive FFN size")
-    _require(m.n_shared_experts == 0 or m.moe_shared_expert_intermediate_size >= 1,
-             f"model.moe_shared_expert_intermediate_size: {m.n_shared_experts} shared expert(s) need a positive FFN "
-             f"size, got {m.moe_shared_expert_intermediate_size}")
-    _require(m.moe_token_dispatcher_type in DISPATCHERS,
-             f"model.moe_token_dispatcher_type: expected one of {', '.join(DISPATCHERS)}, "
-             f"got {m.moe_token_dispatcher_type!r}")
-    _require(m.attention_kernel in ("dense", "varlen"),
-             f"model.attention_kernel: expected dense or varlen, got {m.attention_kernel!r}")
-    _require(m.scoring_func in ("sigmoid", "softmax"),
-             f"model.scoring_func: expected sigmoid or softmax, got {m.scoring_func!r}")
-    for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype"):
-        _require(getattr(m, key) in ("float32", "float16", "bfloat16"),
-                 f"model.{key}: expected float32, float16 or bfloat16, got {getattr(m, key)!r}")
-    # Accepted for MindFormers recipes, which set them to float32; the model keeps these parts in float32 always.
-    for key, part in (("router_dense_type", "the router's logits"), ("layernorm_compute_dtype", "RMSNorm")):
-        _require(getattr(m, key) == "float32",
-                 f"model.{key}: expected float32 ({part} is always computed in float32), got {getattr(m, key)!r}")
-    if m.n_group:
-        _require(m.n_routed_experts % m.n_group == 0,
-                 f"model.n_group: {m.n_group} groups must divide n_routed_experts={m.n_routed_experts}")
-        _require(1 <= m.topk_group <= m.n_group,
-                 f"model.topk_group: expected 1..n_group={m.n_group}, got {m.topk_group}")
-        _require(m.topk_group * (m.n_routed_experts // m.n_group) >= m.num_experts_per_tok,
-                 "model.topk_group: the chosen groups hold fewer experts than num_experts_per_tok")
-    _require(m.rope_theta > 1, f"model.rope_theta: expected a RoPE base above 1, got {m.rope_theta}")
-    _require(m.rotary_scaling_factor >= 1,
-             f"model.rotary_scaling_factor: expected 1 (no YaRN) or more, got {m.rotary_scaling_factor}")
-    if m.yarn_enabled:
-        # YaRN interpolates the dimensions turning fewer than beta_slow times over the original context and keeps
-        # those turning more than beta_fast times; the other order inverts the ramp, and log() needs both positive.
-        _require(m.beta_slow > 0, f"model.beta_slow: expected > 0 for YaRN, got {m.beta_slow}")
-        _require(m.beta_fast >= m.beta_slow,
-                 f"model.beta_fast: expected at least beta_slow={m.beta_slow} for YaRN, got {m.beta_fast}")
-    _require(m.max_position_embeddings >= m.seq_length or m.yarn_enabled,
-             f"model.seq_length: {m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings} "
-             f"without YaRN (rotary_scaling_factor > 1)")
-    _require(m.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {m.mtp_loss_factor}")
+    m.validate()
 
     try:
         layout = p.layout().validate(world_size)
@@ -382,8 +328,12 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
              f"lr_schedule.type: expected cosine or constant, got {r.lr_schedule.type!r}")
     _require(r.lr_schedule.warmup_steps >= 0, "lr_schedule.warmup_steps: expected 0 or more")
     d = r.data
-    _require(d.attention_balance in ("off", "reorder", "repack"),
-             f"data.attention_balance: expected off, reorder or repack, got {d.attention_balance!r}")
+    from data_sched.attention_balance import check_balance_mode
+    from data_sched.errors import DataError
+    try:
+        check_balance_mode(d.attention_balance)
+    except DataError as e:
+        raise RecipeError(str(e)) from None
     _require(0 <= d.eval_fraction < 0.5, f"data.eval_fraction: expected in [0, 0.5), got {d.eval_fraction}")
     _require(all(isinstance(x, str) for x in d.paths), f"data.paths: expected a list of file paths, got {d.paths!r}")
     _require(r.context.device_target in ("CPU", "Ascend"),
