@@ -24,10 +24,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from parallel.ep.permute import expert_group_sizes, stable_order
 from parallel.pipeline.replay import Accumulator, ReplayResult, replay
 from parallel.pipeline.schedules import Schedule
 from precision.capture import ForwardCapture
-from telechat_moe.moe.dispatch import expert_group_sizes, stable_order
 
 
 def swap_cell(root: nn.Cell, path: str, new_cell: nn.Cell) -> nn.Cell:

@@ -212,7 +212,9 @@ def position_ids(batch: int, seq: int) -> np.ndarray:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, rank: int = 0, world: int = 1, peak_flops: float | None = None):
+    def __init__(self, recipe: Recipe, rank: int = 0, world: int = 1, *, peak_flops: float):
+        """`peak_flops`: one device's peak FLOP/s, the denominator of the logged MFU (the caller measures it or
+        takes the recipe's context.peak_tflops)."""
         self.r, self.rank, self.world = recipe, rank, world
         self.out = Path(recipe.output_dir)
         self.main = rank == 0
@@ -254,9 +256,6 @@ class Trainer:
 
         shape = cfg.to_model_shape()
         from parallel.planner.model_shape import flops_per_token
-        if peak_flops is None:
-            from parallel.planner.calibrate import gemm_flops
-            peak_flops = recipe.context.peak_tflops * 1e12 or gemm_flops()
         self.peak_flops = peak_flops
         self.logger = StepLogger(self.out / "logs", self.main, t.train_steps, t.global_batch_size * cfg.seq_length,
                                  flops_per_token(shape)["training"], peak_flops, world)
@@ -300,11 +299,7 @@ class Trainer:
         from precision.dump import TensorRecord
         names = [p.name for p in self.weights]
         opt = self.optimizer
-        losses = {k: v for k, v in values.items() if k.endswith("loss")}
-        if self.sum_over_ranks is not None:  # each rank's loss is its slice's mean; the batch's their mean
-            summed = self.sum_over_ranks(Tensor(np.array(list(losses.values()), np.float32))).asnumpy()
-            losses = dict(zip(losses, summed / self.world))
-        records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in losses.items()]
+        records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
         records += grad_records(names, grads)
         records += optimizer_records({"adam_m": list(opt.exp_avg), "adam_v": list(opt.exp_avg_sq)}, names)
         self.dumper.write(step, records)
@@ -390,7 +385,7 @@ class Trainer:
         if self.move_biases is not None:
             delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)
             self.move_biases(tuple(Tensor(d, b.dtype) for b, d in zip(self.biases, delta)))
-        total, lm, mtp, aux, z = sums / self.micro
+        total, lm, mtp, aux, z = self._mean_over_ranks(sums / self.micro)
         values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy()),
                   "lr": lr}
         if self.r.model.moe_z_loss_coeff:
@@ -401,6 +396,14 @@ class Trainer:
             self._dump(self.step + 1, forward, values, grads)
         return values, loads
 
+    def _mean_over_ranks(self, local: np.ndarray) -> np.ndarray:
+        """The global batch's value of per-rank means: every data-parallel rank holds as many rows and loss tokens,
+        so the batch's mean is the mean of the ranks' (ranks that replicate a data-parallel rank's value count it
+        as often as the others, so the world group serves). One collective per call."""
+        if self.sum_over_ranks is None:
+            return local
+        return self.sum_over_ranks(Tensor(np.asarray(local, np.float32))).asnumpy().astype(np.float64) / self.world
+
     def learning_rate(self, step: int) -> float:
         o, sched = self.r.optimizer, self.r.lr_schedule
         decay = sched.decay_steps or self.r.training.train_steps
@@ -410,16 +413,20 @@ class Trainer:
         held = self.data.held_out
         if held is None or len(held) == 0:
             return None
-        local = self.r.training.global_batch_size // self.r.parallel_config.data_parallel
-        loader = BatchLoader(held, min(len(held), local), self.r.seed)
+        # The held-out batches of a one-process run; data-parallel rank r evaluates rows [r*B/dp, (r+1)*B/dp) of
+        # each, weighted by its share of the rows (every row holds as many loss tokens), so the ranks' shares add
+        # up to the one-process loss whether or not dp divides B.
+        rows = min(len(held), self.r.training.global_batch_size)
+        dp = self.r.parallel_config.data_parallel
+        lo, hi = self.rank * rows // dp, (self.rank + 1) * rows // dp
+        loader = BatchLoader(held, rows, self.r.seed)
         n = min(self.r.training.eval_batches, loader.batches_per_epoch)
-        total = 0.0
+        share = 0.0
         for i in range(n):
-            total += float(self.evaluate(*self._tensors(loader.batch_at(0, i), slice(None))).asnumpy())
-        loss = total / n
-        if self.sum_over_ranks is not None:
-            loss = float(self.sum_over_ranks(Tensor(loss, ms.float32)).asnumpy()) / self.world
-        return loss
+            if hi > lo:
+                loss = self.evaluate(*self._tensors(loader.batch_at(0, i), slice(lo, hi)))
+                share += (hi - lo) / rows * float(loss.asnumpy())
+        return float(self._mean_over_ranks(np.array([share * dp / n]))[0])
 
     def fit(self) -> dict:
         t = self.r.training

@@ -128,7 +128,9 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path):
     the gradient, so after n steps the weights cannot differ by more than 2 * sum(lr) per element (a tighter
     weight bound would be a guess: an element whose gradient is near zero may take a step of either sign)."""
     one, two = tmp_path / "dp1", tmp_path / "dp2"
-    common = SHORT + ["training.train_steps=3", "training.save_interval=1", "training.dump_steps=1"]
+    # z-loss on, so that every logged loss is compared
+    common = SHORT + ["training.train_steps=3", "training.save_interval=1", "training.dump_steps=1",
+                      "model.moe_z_loss_coeff=1e-3"]
     proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*common, f"output_dir={one}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
@@ -163,6 +165,25 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path):
         assert np.max(np.abs(parallel[n] - single[n])) <= 2 * sum(lrs), n
     worst_w = max(relative_error(parallel[n], single[n]) for n in names)
     print(f"DP=2 vs one process after 3 steps: worst weight relative error {worst_w:.2e}")
+
+    # what the user reads: the step lines, metrics.jsonl and TensorBoard show the global batch's losses and the
+    # held-out loss covers the one-process run's held-out samples. Step 1 starts from the same weights, so only
+    # the loss's reduction order differs (per-rank means, then their mean); later steps also carry the weights'
+    # differences, which the first-moment bound above keeps within the same chain over the step's tokens.
+    logged_one, logged_two = metrics(one), metrics(two)
+    assert sorted(logged_one) == sorted(logged_two) == [1, 2, 3]
+    keys = ("loss", "lm_loss", "mtp_loss", "aux_loss", "z_loss", "grad_norm")
+    step_tol = chain_tolerance("float32", [tokens, tokens])
+    for step in (1, 2, 3):
+        for key in keys:
+            err = relative_error(logged_two[step][key], logged_one[step][key])
+            print(f"step {step} {key}: one process {logged_one[step][key]:.7f}, DP=2 {logged_two[step][key]:.7f}, "
+                  f"relative error {err:.2e}")
+            assert err <= (first if step == 1 else step_tol).rtol, (step, key, err)
+    eval_one = json.loads((one / "logs" / "summary.json").read_text())["eval_lm_loss"]
+    eval_two = json.loads((two / "logs" / "summary.json").read_text())["eval_lm_loss"]
+    print(f"held-out lm_loss: one process {eval_one:.7f}, DP=2 {eval_two:.7f}")
+    assert relative_error(eval_two, eval_one) <= step_tol.rtol
 
     # the alignment tool on the same two runs: the DP run's dump holds the global batch's forward outputs and
     # losses (gathered and averaged over the ranks), so it aligns tensor by tensor with the one-process run's

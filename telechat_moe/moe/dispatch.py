@@ -7,21 +7,9 @@ expert_parallel=1); expert-parallel dispatchers (All-to-All, hierarchical) plug 
 """
 from __future__ import annotations
 
-import mindspore as ms
 from mindspore import nn, ops
 
-
-def stable_order(keys):
-    """Indices that sort the int32 `keys` [n] stably. Each key is made unique as key * n + position, so the order is
-    a pure function of the keys (ties keep their position) on every backend, whatever its sort."""
-    n = keys.shape[0]
-    return ops.sort(keys * n + ops.arange(0, n, dtype=ms.int32))[1]
-
-
-def expert_group_sizes(flat_expert, num_experts: int):
-    """int32 [E]: how many of the dispatched rows go to each expert (constant under the gradient)."""
-    sizes = ops.one_hot(flat_expert, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(0)
-    return ops.stop_gradient(sizes).astype(ms.int32)
+from parallel.ep.permute import expert_group_sizes, stable_order
 
 
 class LocalDispatcher(nn.Cell):
