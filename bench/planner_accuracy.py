@@ -1,10 +1,10 @@
 """How accurate is the planner on what we can measure? Measure, then predict, training steps on this CPU.
 
 For each configuration (the tiny and small recipes, varying hidden size, sequence, experts, top-k, global batch,
-micro-batches, recompute, and data parallelism under msrun) `parallel.planner.probe.measure_steps` runs the
+micro-batches, recompute, and data parallelism under msrun) `telechat_moe.calibration.measure_steps` runs the
 trainer and measures the step memory and the step time, the latter in rounds with a step of the calibration's
 reference probe beside each step (in the same process(es)); the planner predicts both from
-parallel/planner/clusters/cpu.yaml (run `python -m parallel.planner.calibrate` first: it measures the machine and
+parallel/planner/clusters/cpu.yaml (run `python -m scripts.calibrate_cluster` first: it measures the machine and
 fits the runtime constants on probe recipes, none of which is a case here), the step time at the machine's speed
 then: the predicted time at calibration speed x the reference step now / the reference step at calibration.
 Run: python -m bench.planner_accuracy [--rounds 7] [--only NAME ...] [--png accuracy.png] [--json rows.json]
@@ -20,9 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 from oneline import OneLineParser
-from parallel.planner.calibrate import REFERENCE
 from parallel.planner.cluster import load_cluster
-from parallel.planner.probe import measure_steps, predict_step
+from telechat_moe.calibration import REFERENCE, measure_steps, predict_step
 
 CONFIGS = [  # name, recipe, overrides (data_parallel > 1 runs under msrun)
     ("tiny", "tiny", []),
@@ -82,7 +81,7 @@ def main() -> None:
     cpu = load_cluster("cpu")
     if not cpu.runtime.reference_step_time:
         ap.error("parallel/planner/clusters/cpu.yaml: runtime.reference_step_time missing; run "
-                 "`python -m parallel.planner.calibrate` first")
+                 "`python -m scripts.calibrate_cluster` first")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner_accuracy_") as tmp:
         for i, (name, recipe, overrides) in enumerate(configs, 1):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from oneline import OneLineParser
-from parallel.planner.calibrate import gemm_flops
+from parallel.planner.machine import gemm_flops
 from parallel.planner.model_shape import flops_per_token
 from telechat_moe.recipe import load_recipe
 

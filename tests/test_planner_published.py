@@ -23,7 +23,7 @@ def test_deepseek_v3_tokens_per_gpu_within_20_percent():
 
 def test_calibration_writes_a_loadable_cpu_cluster(tmp_path):
     out = tmp_path / "cpu.yaml"
-    r = subprocess.run([sys.executable, "-m", "parallel.planner.calibrate", "--no-mindspore", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "scripts.calibrate_cluster", "--no-mindspore", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     c = load_cluster(str(out))
@@ -32,7 +32,7 @@ def test_calibration_writes_a_loadable_cpu_cluster(tmp_path):
 
 
 def test_calibration_rejects_a_missing_folder(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "parallel.planner.calibrate", "--out", str(tmp_path / "no" / "x.yaml")],
+    r = subprocess.run([sys.executable, "-m", "scripts.calibrate_cluster", "--out", str(tmp_path / "no" / "x.yaml")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
 
@@ -42,9 +42,9 @@ def test_runtime_fit_recovers_known_constants():
     (the fit evaluates the planner at unit constants, so the two share one formula)."""
     import dataclasses
 
-    from parallel.planner.calibrate import MEMORY_PROBES, PROBES, fit_runtime
+    from parallel.planner.calibrate import fit_runtime
     from parallel.planner.cluster import Runtime
-    from parallel.planner.probe import predict_step
+    from telechat_moe.calibration import MEMORY_PROBES, PROBES, predict_step, probe_workload
 
     cpu = load_cluster("cpu")
     truth = Runtime(compute_scale=0.8, expert_compute_scale=3.0, update_scale=12.0, accumulate_scale=9.0,
@@ -52,8 +52,10 @@ def test_runtime_fit_recovers_known_constants():
                     activation_outputs=7.0, recompute_outputs=2.0, weight_outputs=4.0, graph_memory=3e8,
                     communicator_memory=2e8)
     made = dataclasses.replace(cpu, runtime=truth)
-    measured = [{"name": name, "recipe": recipe, "overrides": o, **predict_step(recipe, o, made)}
-                for name, recipe, o in MEMORY_PROBES]
+    measured = []
+    for name, recipe, o in MEMORY_PROBES:
+        w, lay = probe_workload(recipe, o, cpu)
+        measured.append({"name": name, "workload": w, "layouts": lay, **predict_step(recipe, o, made)})
     for m in measured[len(PROBES):]:  # as measured: memory only
         del m["step_time"]
     fitted, report = fit_runtime(cpu, measured)
@@ -65,8 +67,7 @@ def test_runtime_fit_recovers_known_constants():
 def test_probe_steps_are_timed_beside_the_reference(tmp_path):
     """The calibration's and the accuracy bench's worker: a probe's memory over its first steps alone, then its
     steps in rounds with the reference probe's, both real trainers in one process."""
-    from parallel.planner.calibrate import PROBES, REFERENCE
-    from parallel.planner.probe import measure_steps
+    from telechat_moe.calibration import PROBES, REFERENCE, measure_steps
 
     name, recipe, overrides = next(p for p in PROBES if p[0] == "micro2")
     r = measure_steps(recipe, overrides, tmp_path, name, memory_steps=1, rounds=3, beside=[REFERENCE])
