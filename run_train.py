@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(report(recipe))
             return 0
-        from parallel.planner.calibrate import total_memory_bytes
+        from parallel.planner.machine import total_memory_bytes
         problem = fit_problem(recipe, total_memory_bytes(), has_ascend())
         if problem:
             raise RecipeError(problem)
@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         configure_mindspore(recipe)     # before communication init: MindSpore fixes the device there
         rank, world = distributed_world()
         validate(recipe, world)
-        trainer = Trainer(recipe, rank, world)
+        from parallel.planner.machine import gemm_flops
+        trainer = Trainer(recipe, rank, world, peak_flops=recipe.context.peak_tflops * 1e12 or gemm_flops())
         if args.resume:
             trainer.resume()
         trainer.fit()
