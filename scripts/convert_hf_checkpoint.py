@@ -11,22 +11,20 @@ ones DeepseekV3. Bad input: one line on stderr, exit code 2; an existing output 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import yaml
 
+from oneline import InputError, OneLineParser
 from telechat_moe import hf_adapter as hfa
+from telechat_moe import hf_config as hfc
+from telechat_moe.config import ModelConfig
+from telechat_moe.safetensors_io import read_hf_dir, read_safetensors, write_hf_dir, write_safetensors
 
 CONFIG_KEY = "telechat_moe.model_config"
 PROG = "convert_hf_checkpoint"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise hfa.ConversionError(message)
 
 
 def parse_args(argv):
@@ -50,31 +48,28 @@ def to_ours(hf_dir: str, out: str, force: bool) -> None:
     for path in (out, yaml_path):
         if os.path.exists(path) and not force:
             raise hfa.ConversionError(f"{path}: exists; pass --force to overwrite it")
-    hf_config, state = hfa.read_hf_dir(hf_dir)
-    family = hfa.hf_family(hf_config)
-    kwargs = hfa.config_from_hf(hf_config)
-    cfg = hfa.model_config(kwargs)
+    hf_config, state = read_hf_dir(hf_dir)
+    family = hfc.hf_family(hf_config)
+    kwargs = hfc.config_from_hf(hf_config)
+    cfg = hfc.model_config(kwargs)
     print(f"read {len(state)} tensors of a {hfa.ARCHITECTURES[family]} from {hf_dir}", flush=True)
-    for gap in hfa.semantic_gaps(hf_config):
+    for gap in hfc.semantic_gaps(hf_config):
         print(f"note: {gap}", file=sys.stderr)
     print(f"converting to {cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP ...", flush=True)
-    ours = hfa.hf_to_ours(state, cfg, family, hfa.hf_rope_interleaved(hf_config))
-    hfa.write_safetensors(out, ours, {CONFIG_KEY: json.dumps(kwargs, sort_keys=True)}, dtype="float32")
+    ours = hfa.hf_to_ours(state, cfg, family, hfc.hf_rope_interleaved(hf_config))
+    write_safetensors(out, ours, {CONFIG_KEY: json.dumps(kwargs, sort_keys=True)}, dtype="float32")
     with open(yaml_path, "w") as f:
         yaml.safe_dump({"model": kwargs}, f, sort_keys=False)
     print(f"wrote {len(ours)} parameters to {out} and the model section to {yaml_path}")
 
 
-def checkpoint_config(meta: dict, recipe: str | None, overrides: list[str], ckpt: str) -> hfa.ModelConfig:
+def checkpoint_config(meta: dict, recipe: str | None, overrides: list[str], ckpt: str) -> ModelConfig:
     if recipe:
-        from telechat_moe.recipe import RecipeError, load_recipe
-        try:
-            return load_recipe(recipe, overrides).model
-        except RecipeError as exc:
-            raise hfa.ConversionError(str(exc)) from None
+        from telechat_moe.recipe import load_recipe
+        return load_recipe(recipe, overrides).model  # a bad recipe: RecipeError, one line
     if CONFIG_KEY not in meta:
         raise hfa.ConversionError(f"{ckpt}: carries no model config; pass --recipe with the model it was trained as")
-    return hfa.model_config(json.loads(meta[CONFIG_KEY]))
+    return hfc.model_config(json.loads(meta[CONFIG_KEY]))
 
 
 def to_hf(ckpt: str, out_dir: str, recipe: str | None, overrides: list[str], dtype: str, max_shard_gb: float,
@@ -87,18 +82,19 @@ def to_hf(ckpt: str, out_dir: str, recipe: str | None, overrides: list[str], dty
         raise hfa.ConversionError(f"--max-shard-gb: expected a positive size, got {max_shard_gb}")
     if not os.path.isfile(ckpt):
         raise hfa.ConversionError(f"--to-hf CKPT: no such file {ckpt}")
-    state, meta = hfa.read_safetensors(ckpt)
+    state, meta = read_safetensors(ckpt)
     cfg = checkpoint_config(meta, recipe, overrides, ckpt)
-    hf_config = hfa.hf_config_from(cfg)
-    for gap in hfa.semantic_gaps(hf_config):
+    hf_config = hfc.hf_config_from(cfg)
+    for gap in hfc.semantic_gaps(hf_config):
         print(f"note: {gap}", file=sys.stderr)
-    hf = hfa.ours_to_hf(state, cfg, hfa.hf_family(hf_config))
-    used = {e.ours for e in hfa.entries(cfg, hfa.hf_family(hf_config))}
+    family = hfc.hf_family(hf_config)
+    hf = hfa.ours_to_hf(state, cfg, family)
+    used = {e.ours for e in hfa.entries(cfg, family)}
     skipped = sorted(set(state) - used)
     if skipped:
         print(f"note: skipped {len(skipped)} entries that are not model parameters (e.g. {skipped[0]})",
               file=sys.stderr)
-    names = hfa.write_hf_dir(out_dir, hf_config, hf, dtype, int(max_shard_gb * 2 ** 30))
+    names = write_hf_dir(out_dir, hf_config, hf, dtype, int(max_shard_gb * 2 ** 30))
     print(f"wrote {len(hf)} tensors of a {hf_config['architectures'][0]} ({dtype}) to {out_dir} "
           f"in {len(names)} file(s)")
 
@@ -110,7 +106,7 @@ def main(argv=None) -> int:
             to_ours(*args.to_ours, args.force)
         else:
             to_hf(*args.to_hf, args.recipe, args.set, args.dtype, args.max_shard_gb, args.force)
-    except hfa.ConversionError as exc:  # the message names the field or file
+    except InputError as exc:  # conversion, checkpoint file or recipe: the message names the field or file
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     return 0

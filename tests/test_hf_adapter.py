@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers", reason="transformers provides
 
 from precision.tolerance import assert_close, tolerance  # noqa: E402
 from telechat_moe import hf_adapter as hfa  # noqa: E402
+from telechat_moe import hf_config as hfc  # noqa: E402
 from telechat_moe.config import ModelConfig  # noqa: E402
+from telechat_moe.safetensors_io import read_hf_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,8 +89,8 @@ def bits(a: np.ndarray) -> np.ndarray:
 def test_table_names_are_transformers_names(variant):
     model = hf_model(variant)
     config = hf_config(model)
-    cfg = hfa.model_config(hfa.config_from_hf(config))
-    table = {e.hf for e in hfa.entries(cfg, hfa.hf_family(config)) if e.hf is not None}
+    cfg = hfc.model_config(hfc.config_from_hf(config))
+    table = {e.hf for e in hfa.entries(cfg, hfc.hf_family(config)) if e.hf is not None}
     assert table == set(model.state_dict())
 
 
@@ -128,8 +130,8 @@ def test_hf_to_ours_to_hf_is_bitwise(variant):
     if variant == "v3":
         config["num_nextn_predict_layers"] = 1
         state = with_mtp(state, config, np.random.default_rng(1))
-    family = hfa.hf_family(config)
-    cfg = hfa.model_config(hfa.config_from_hf(config))
+    family = hfc.hf_family(config)
+    cfg = hfc.model_config(hfc.config_from_hf(config))
     back = hfa.ours_to_hf(hfa.hf_to_ours(state, cfg, family), cfg, family)
     if cfg.tie_word_embeddings:  # state_dict() lists the tied head, save_pretrained and we leave it out
         state.pop("lm_head.weight")
@@ -140,8 +142,8 @@ def test_hf_to_ours_to_hf_is_bitwise(variant):
 
 def test_config_round_trip():
     for variant in sorted(HF_VARIANTS):
-        cfg = ModelConfig(**hfa.config_from_hf(hf_config(hf_model(variant))))
-        assert ModelConfig(**hfa.config_from_hf(hfa.hf_config_from(cfg))) == cfg, variant
+        cfg = ModelConfig(**hfc.config_from_hf(hf_config(hf_model(variant))))
+        assert ModelConfig(**hfc.config_from_hf(hfc.hf_config_from(cfg))) == cfg, variant
 
 
 def test_cli_round_trip_bfloat16_with_mtp_loads_in_transformers(tmp_path):
@@ -168,7 +170,7 @@ def test_cli_round_trip_bfloat16_with_mtp_loads_in_transformers(tmp_path):
     r = run_cli("--to-ours", src, ours)
     assert r.returncode == 0, r.stderr
     loaded = ms.load_checkpoint(str(ours), format="safetensors")
-    cfg = hfa.model_config(hfa.config_from_hf(config))
+    cfg = hfc.model_config(hfc.config_from_hf(config))
     assert {k: tuple(v.shape) for k, v in loaded.items()} == hfa.our_shapes(cfg)
     assert (tmp_path / "ours.model.yaml").exists()
 
@@ -201,7 +203,7 @@ def test_cli_to_hf_from_a_mindspore_training_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "eps" in r.stderr  # the recipe's rms_norm_eps is not transformers' latent-norm eps: said, not hidden
     params = {p.name: p.asnumpy() for p in model.get_parameters()}
-    _, hf = hfa.read_hf_dir(str(tmp_path / "hf"))
+    _, hf = read_hf_dir(str(tmp_path / "hf"))
     assert np.array_equal(hfa.hf_to_ours(hf, cfg)["layers.1.mlp.experts.w1"], params["layers.1.mlp.experts.w1"])
 
 

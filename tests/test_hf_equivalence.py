@@ -19,6 +19,7 @@ from mindspore import nn  # noqa: E402
 
 from precision.tolerance import Tolerance, chain_tolerance, relative_error  # noqa: E402
 from telechat_moe import hf_adapter as hfa  # noqa: E402
+from telechat_moe import hf_config as hfc  # noqa: E402
 from telechat_moe.model import TeleChatMoE  # noqa: E402
 
 ms.set_context(mode=ms.GRAPH_MODE)
@@ -150,13 +151,13 @@ def test_logits_and_loss_match_transformers(case, tokens):
     arch, kwargs = CASES[case]
     hf_model = random_hf_model(arch, kwargs)
     hf_config = hf_config_dict(hf_model)
-    assert not hfa.semantic_gaps(hf_config)
+    assert not hfc.semantic_gaps(hf_config)
     with torch.no_grad():
         out = hf_model(input_ids=torch.tensor(tokens), labels=torch.tensor(tokens))
     hf_logits, hf_loss = out.logits[:, :SEQ].numpy(), float(out.loss)
 
-    family = hfa.hf_family(hf_config)
-    cfg = hfa.model_config(hfa.config_from_hf(hf_config))
+    family = hfc.hf_family(hf_config)
+    cfg = hfc.model_config(hfc.config_from_hf(hf_config))
     assert cfg.num_nextn_predict_layers == 0
     state = {k: v.numpy() for k, v in hf_model.state_dict().items()}
     net = TeleChatMoE(cfg)
@@ -226,7 +227,7 @@ def test_mtp_loss_matches_deepseek_layout(tokens):
     expected = mtp_reference(hf_model, mtp, torch.tensor(tokens))
 
     hf_config = hf_config_dict(hf_model)
-    cfg = hfa.model_config(hfa.config_from_hf(hf_config))
+    cfg = hfc.model_config(hfc.config_from_hf(hf_config))
     assert cfg.num_nextn_predict_layers == 1
     net = TeleChatMoE(cfg)
     load_ours(net, hfa.hf_to_ours(state, cfg))
