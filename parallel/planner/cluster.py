@@ -19,8 +19,8 @@ class ClusterError(InputError):
 @dataclass(frozen=True)
 class Runtime:
     """How a machine's training runtime departs from the analytic model, fitted on real training steps by
-    `parallel.planner.calibrate` (the `runtime:` section of a cluster file; absent: an accelerator runtime that
-    sinks its graph, hides launches and reuses activation memory, i.e. these defaults).
+    `parallel.planner.calibrate.fit_runtime` (the `runtime:` section of a cluster file; absent: an accelerator
+    runtime that sinks its graph, hides launches and reuses activation memory, i.e. these defaults).
 
     Step time = compute_scale x the modelled compute, but expert_compute_scale x the modelled time of the routed
     experts' grouped kernel (its own implementation: on CPU a host kernel over per-expert GEMMs) and update_scale x
@@ -44,9 +44,10 @@ class Runtime:
     to (data, tensor, pipeline, expert, expert-tensor parallel): the collective library's own buffers (0: not
     modelled).
 
-    reference_step_time is the seconds of one step of the calibration's reference probe (calibrate.REFERENCE)
-    when these constants were fitted: the machine speed they hold for (0: not fitted on training steps). A shared
-    machine's speed drifts; that probe's step measured beside another run says how fast the machine was then."""
+    reference_step_time is the seconds of one step of the calibration's reference probe
+    (telechat_moe.calibration.REFERENCE) when these constants were fitted: the machine speed they hold for (0: not
+    fitted on training steps). A shared machine's speed drifts; that probe's step measured beside another run says
+    how fast the machine was then."""
     compute_scale: float = 1.0
     expert_compute_scale: float = 1.0
     update_scale: float = 1.0
