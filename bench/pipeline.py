@@ -19,10 +19,11 @@ import sys
 import time
 
 from oneline import OneLineParser
-from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, equal_layer_split,
-                                         memory_limit, placement_p2p, planner_units, recipe_workload)
+from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, equal_layer_split, placement_p2p,
+                                         planner_units)
 from parallel.pipeline.schedules import ScheduleError, build, validate
 from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
+from telechat_moe.workload import memory_limit, recipe_layout_row, recipe_workload
 
 SCHEDULES = ("1f1b", "interleaved", "overlapped")
 
@@ -86,7 +87,8 @@ def placement_report(recipe_path: str, cluster: str) -> list[str]:
     from telechat_moe.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
-    w, row = recipe_workload(recipe, cluster)
+    w = recipe_workload(recipe, cluster)
+    row = recipe_layout_row(recipe, w)
     limit = memory_limit(recipe, w)
     layout = recipe.layout
     name = "interleaved" if layout.vpp > 1 else "1f1b"
@@ -140,12 +142,12 @@ def main(argv=None) -> int:
             for path in write_gantts(args.gantt_dir, args.comm_fraction, args.p2p):
                 print(f"wrote {path}")
         if args.recipe:
-            from parallel.plan import PlanError
             from telechat_moe.recipe import RecipeError
+            from telechat_moe.workload import WorkloadError
 
             try:
                 print("\n".join(placement_report(args.recipe, args.cluster)))
-            except (RecipeError, PlanError) as e:  # its message names the file or the field
+            except (RecipeError, WorkloadError) as e:  # its message names the file or the field
                 print(f"error: {e}", file=sys.stderr)
                 return 2
     except (ScheduleError, PlacementError) as e:

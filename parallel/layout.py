@@ -1,4 +1,6 @@
-"""The one object that knows every parallel degree, validates them, and builds device groups.
+"""The one object that knows every parallel degree, validates them, and builds device groups; and the rules any
+layout obeys, once, as functions over numbers that hold for one layout and for NumPy arrays of candidate layouts
+alike (ParallelLayout.validate, a recipe's validation, the planner's search and its one-layout evaluation use them).
 
 Rank order follows Megatron-Core: tensor (fastest), context, data, pipeline (slowest). Expert parallelism
 folds over the same ranks as data x context x tensor: the `ep * etp` ranks of an expert group are taken
@@ -7,7 +9,7 @@ and only the hierarchical scheme's AllGather crosses nodes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from oneline import InputError
@@ -23,8 +25,93 @@ class Axis(str, Enum):
     EDP = "edp"  # expert-data-parallel: replicas of one expert shard
 
 
+class _OwnNames(dict):
+    """A caller's names for the degrees; a degree it does not rename keeps its own (tp, ep, micro_batch_num)."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
 class LayoutError(InputError):
-    """A parallel layout that cannot exist; the message names the field."""
+    """A parallel layout that cannot exist. `field` is the degree at fault (a ParallelLayout field: "ep",
+    "micro_batch_num"; "world_size" for the product of the degrees against the device count); `reason(names)` words
+    the message in the caller's names for the degrees (a recipe's keys), str(e) is `field: reason` in their own."""
+
+    def __init__(self, field: str, template: str, **values):
+        self.field, self.template, self.values = field, template, values
+        super().__init__(f"{field}: {self.reason()}")
+
+    def reason(self, names: dict[str, str] | None = None) -> str:
+        return self.template.format(n=_OwnNames(names or {}), **self.values)
+
+
+# ---- the rules, written once --------------------------------------------------------------------------------
+# Functions over numbers that work alike on Python ints (ParallelLayout.validate, one layout to evaluate, a recipe)
+# and on NumPy arrays (the planner's vectorised search, one entry per candidate layout): true where a layout can
+# exist. `m` is the number of micro-batches per step, `mbs` the sequences per micro-batch; `shape` is the planner's
+# ModelShape (parallel.planner.model_shape).
+def fills_world(dp, tp, cp, pp, world_size):
+    """The dense degrees multiply to the device count."""
+    return dp * tp * cp * pp == world_size
+
+
+def experts_fold_over_dense(dp, cp, tp, ep, etp):
+    """An expert group (ep x etp ranks) folds over the dp x cp x tp ranks of one pipeline stage."""
+    return (dp * cp * tp) % (ep * etp) == 0
+
+
+def micro_batches_fill_stages(pp, m):
+    return (pp == 1) | (m >= pp)
+
+
+def interleave_has_stages(pp, vpp):
+    """Virtual pipeline chunks need more than one stage."""
+    return (vpp == 1) | (pp > 1)
+
+
+def interleave_fills_stages(pp, vpp, m):
+    """Interleaved 1F1B runs the micro-batches in rounds of one per stage."""
+    return (vpp == 1) | (m % pp == 0)
+
+
+def sequence_parallel_has_tp(sp, tp):
+    """Sequence parallelism splits the sequence over the tensor-parallel group."""
+    return (sp == 0) | (tp > 1)
+
+
+def heads_split(shape, tp):
+    return shape.num_heads % tp == 0
+
+
+def experts_split(shape, ep):
+    return shape.num_routed_experts % ep == 0
+
+
+def layers_fill_chunks(shape, pp, vpp):
+    """Every one of the pp x vpp pipeline chunks holds at least one layer."""
+    return shape.num_layers >= pp * vpp
+
+
+def tp_within_node(tp, devices_per_node):
+    return tp <= devices_per_node
+
+
+def global_batch_splits(global_batch, dp, mbs):
+    """The global batch splits into dp replicas of whole micro-batches of mbs sequences (equally: of mbs
+    micro-batches, the product being what divides)."""
+    return global_batch % (dp * mbs) == 0
+
+
+def check_model_fit(shape, tp: int, pp: int, vpp: int, ep: int, devices_per_node: int) -> None:
+    """The model-shape rules for one layout, as LayoutErrors in the degrees' own names."""
+    for ok, field, template in (
+            (heads_split(shape, tp), "tp", "tp={tp} does not divide the {heads} attention heads"),
+            (experts_split(shape, ep), "ep", "ep={ep} does not divide the {experts} routed experts"),
+            (layers_fill_chunks(shape, pp, vpp), "pp", "pp*vpp = {chunks} chunks for only {layers} layers"),
+            (tp_within_node(tp, devices_per_node), "tp", "tp={tp} spans more than one node of {node} devices")):
+        if not ok:
+            raise LayoutError(field, template, tp=tp, ep=ep, chunks=pp * vpp, heads=shape.num_heads,
+                              experts=shape.num_routed_experts, layers=shape.num_layers, node=devices_per_node)
 
 
 @dataclass(frozen=True)
@@ -39,13 +126,6 @@ class ParallelLayout:
     sp: bool = False
     micro_batch_num: int = 1
     devices_per_node: int = 8
-    # Names of the recipe keys, so errors point at what the user wrote.
-    names: dict = field(default_factory=lambda: {
-        "dp": "parallel_config.data_parallel", "tp": "parallel_config.model_parallel",
-        "pp": "parallel_config.pipeline_stage", "vpp": "parallel_config.pp_interleave_num",
-        "ep": "parallel_config.expert_parallel", "etp": "parallel_config.expert_model_parallel",
-        "cp": "parallel_config.context_parallel", "micro_batch_num": "parallel_config.micro_batch_num",
-        "devices_per_node": "parallel_config.devices_per_node"}, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -67,32 +147,31 @@ class ParallelLayout:
         for key in ("dp", "tp", "pp", "vpp", "ep", "etp", "cp", "micro_batch_num", "devices_per_node"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"{self.names[key]}: expected a positive integer, got {value!r}")
-        if world_size is not None and self.world_size != world_size:
-            raise LayoutError(
-                f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = "
-                f"{self.dp}*{self.tp}*{self.cp}*{self.pp} = {self.world_size}, but the device count is {world_size}")
-        if (self.dp * self.cp * self.tp) % (self.ep * self.etp):
-            raise LayoutError(
-                f"{self.names['ep']}: expert_parallel*expert_model_parallel = {self.ep * self.etp} must divide "
-                f"data_parallel*context_parallel*model_parallel = {self.dp * self.cp * self.tp}")
-        if self.pp > 1 and self.micro_batch_num < self.pp:
-            raise LayoutError(f"{self.names['micro_batch_num']}: {self.micro_batch_num} micro-batches cannot fill "
-                              f"{self.pp} pipeline stages (need at least {self.pp})")
-        if self.vpp > 1 and self.pp == 1:
-            raise LayoutError(f"{self.names['vpp']}: virtual pipeline chunks need pipeline_stage > 1")
-        if self.vpp > 1 and self.micro_batch_num % self.pp:
-            raise LayoutError(f"{self.names['micro_batch_num']}: interleaved 1F1B needs micro_batch_num "
-                              f"({self.micro_batch_num}) divisible by pipeline_stage ({self.pp})")
-        if self.sp and self.tp == 1:
-            raise LayoutError("parallel_config.use_seq_parallel: sequence parallelism needs model_parallel > 1")
+                raise LayoutError(key, "expected a positive integer, got {value!r}", value=value)
+        dp, tp, cp, pp, vpp, ep, etp, m = (self.dp, self.tp, self.cp, self.pp, self.vpp, self.ep, self.etp,
+                                           self.micro_batch_num)
+        for ok, field, template in (
+                (world_size is None or fills_world(dp, tp, cp, pp, world_size), "world_size",
+                 "{n[dp]}*{n[tp]}*{n[cp]}*{n[pp]} = {dp}*{tp}*{cp}*{pp} = {world}, but the device count is "
+                 "{world_size}"),
+                (experts_fold_over_dense(dp, cp, tp, ep, etp), "ep",
+                 "{n[ep]}*{n[etp]} = {ep_etp} must divide {n[dp]}*{n[cp]}*{n[tp]} = {dense}"),
+                (micro_batches_fill_stages(pp, m), "micro_batch_num",
+                 "{m} micro-batches cannot fill {pp} pipeline stages (need at least {pp})"),
+                (interleave_has_stages(pp, vpp), "vpp", "virtual pipeline chunks need {n[pp]} > 1"),
+                (interleave_fills_stages(pp, vpp, m), "micro_batch_num",
+                 "interleaved 1F1B needs {n[micro_batch_num]} ({m}) divisible by {n[pp]} ({pp})"),
+                (sequence_parallel_has_tp(self.sp, tp), "sp", "sequence parallelism needs {n[tp]} > 1")):
+            if not ok:
+                raise LayoutError(field, template, dp=dp, tp=tp, cp=cp, pp=pp, m=m, world=self.world_size,
+                                  world_size=world_size, ep_etp=ep * etp, dense=dp * cp * tp)
         return self
 
     # ---- coordinates and groups -------------------------------------------------------------------
     def coords(self, rank: int) -> dict[Axis, int]:
         """Coordinates of a global rank along tp, cp, dp, pp (and ep/etp/edp within the dp*cp*tp slab)."""
         if not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank} outside world of {self.world_size}")
+            raise LayoutError("rank", "{rank} outside world of {world}", rank=rank, world=self.world_size)
         tp = rank % self.tp
         cp = rank // self.tp % self.cp
         dp = rank // (self.tp * self.cp) % self.dp

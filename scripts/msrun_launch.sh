@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch run_train.py on every node of a cluster with msrun (MindSpore's launcher). Run the same command on each
 # node, changing only NODE_RANK. The recipe's parallel_config must multiply to NNODES * DEVICES_PER_NODE
-# (`python run_train.py --recipe R --dry-run` shows the layout; `python -m parallel.plan` proposes one).
+# (`python run_train.py --recipe R --dry-run` shows the layout; `python -m telechat_moe.plan` proposes one).
 #
 #   NNODES=512 NODE_RANK=0 MASTER_ADDR=10.0.0.1 scripts/msrun_launch.sh recipes/1t.yaml [--set k=v ...] [--resume]
 #

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from parallel.layout import LayoutError, ParallelLayout
+from parallel.layout import (LayoutError, ParallelLayout, experts_split, global_batch_splits, heads_split,
+                             layers_fill_chunks)
 from telechat_moe.config import TRAINABLE_DISPATCHERS, ModelConfig
 from telechat_moe.errors import RecipeError
 
@@ -23,6 +24,18 @@ ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "n
            "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
            "max_steps": "train_steps", "batch_size": "global_batch_size"}
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+# The parallel_config key of each ParallelLayout degree: the layout's errors name the degree, the recipe's its key.
+LAYOUT_KEYS = {"dp": "data_parallel", "tp": "model_parallel", "pp": "pipeline_stage", "vpp": "pp_interleave_num",
+               "ep": "expert_parallel", "etp": "expert_model_parallel", "cp": "context_parallel",
+               "sp": "use_seq_parallel", "micro_batch_num": "micro_batch_num", "devices_per_node": "devices_per_node"}
+
+
+def layout_error_text(e: LayoutError) -> str:
+    """A LayoutError in the recipe's words: `parallel_config.<key>: reason`, the degrees named by their keys."""
+    key = "parallel_config" if e.field == "world_size" else f"parallel_config.{LAYOUT_KEYS[e.field]}"
+    return f"{key}: {e.reason(LAYOUT_KEYS)}"
 
 
 @dataclass
@@ -273,14 +286,15 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     try:
         layout = p.layout().validate(world_size)
     except LayoutError as e:
-        raise RecipeError(str(e)) from None
-    _require(m.n_routed_experts % p.expert_parallel == 0,
+        raise RecipeError(layout_error_text(e)) from None
+    shape = m.to_model_shape()
+    _require(experts_split(shape, layout.ep),
              f"parallel_config.expert_parallel: {m.n_routed_experts} experts cannot be split evenly over "
              f"expert_parallel={p.expert_parallel}")
     _require(m.moe_intermediate_size % p.expert_model_parallel == 0,
              f"parallel_config.expert_model_parallel: the expert FFN size moe_intermediate_size="
              f"{m.moe_intermediate_size} is not divisible by expert_model_parallel={p.expert_model_parallel}")
-    _require(m.num_attention_heads % p.model_parallel == 0,
+    _require(heads_split(shape, layout.tp),
              f"parallel_config.model_parallel: {m.num_attention_heads} attention heads are not divisible by "
              f"model_parallel={p.model_parallel}")
     for key, used in (("intermediate_size", m.first_k_dense_replace > 0),
@@ -298,12 +312,12 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     _require(m.seq_length % (p.model_parallel if p.use_seq_parallel else 1) == 0,
              f"model.seq_length: {m.seq_length} not divisible by model_parallel={p.model_parallel} for sequence "
              f"parallelism")
-    _require(m.num_hidden_layers >= p.pipeline_stage * p.pp_interleave_num,
+    _require(layers_fill_chunks(shape, layout.pp, layout.vpp),
              f"parallel_config.pipeline_stage: {p.pipeline_stage} stages x {p.pp_interleave_num} chunks need at "
              f"least that many layers, the model has {m.num_hidden_layers}")
     _require(t.global_batch_size >= 1, f"training.global_batch_size: expected a positive integer, got "
                                         f"{t.global_batch_size}")
-    _require(t.global_batch_size % (layout.dp * p.micro_batch_num) == 0,
+    _require(global_batch_splits(t.global_batch_size, layout.dp, layout.micro_batch_num),
              f"training.global_batch_size: {t.global_batch_size} is not divisible by data_parallel*micro_batch_num "
              f"= {layout.dp * p.micro_batch_num}")
     _require(t.train_steps >= 1, f"training.train_steps: expected at least 1, got {t.train_steps}")
@@ -362,7 +376,7 @@ def check_trainable(r: Recipe, processes: int) -> None:
              "need the Ascend engine); use --dry-run to plan this layout")
     _require(m.moe_token_dispatcher_type in TRAINABLE_DISPATCHERS,
              f"model.moe_token_dispatcher_type: {m.moe_token_dispatcher_type!r} is for planning (--dry-run, "
-             f"parallel.plan); training builds only {', '.join(TRAINABLE_DISPATCHERS)}")
+             f"telechat_moe.plan); training builds only {', '.join(TRAINABLE_DISPATCHERS)}")
     world = r.layout.world_size
     devices = f"{world} device{'s' if world > 1 else ''}"
     launched = f"{processes} process{'es were' if processes > 1 else ' was'} launched"

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from parallel.pipeline.mindspore_binding import MINDFORMERS_NAMES, BindingError, bind
-from parallel.pipeline.placement import PlacementOptions, balance, memory_limit, planner_units, recipe_workload
+from parallel.pipeline.placement import PlacementOptions, balance, planner_units
 from parallel.pipeline.schedules import build, validate
 
 recipe_mod = pytest.importorskip("telechat_moe.recipe")
+workload = pytest.importorskip("telechat_moe.workload")
 
 LAYOUTS = {"105b": ("recipes/105b.yaml", "1f1b"), "1t": ("recipes/1t.yaml", "interleaved")}
 
@@ -21,8 +22,9 @@ def planned(name: str, options: PlacementOptions = PlacementOptions()):
     recipe = recipe_mod.load_recipe(path)
     shape, layout = recipe.model.to_model_shape(), recipe.layout
     in_flight = validate(build(schedule, layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
-    w, row = recipe_workload(recipe, "ascend910b")
-    options = dataclasses.replace(options, memory_limit=memory_limit(recipe, w))
+    w = workload.recipe_workload(recipe, "ascend910b")
+    row = workload.recipe_layout_row(recipe, w)
+    options = dataclasses.replace(options, memory_limit=workload.memory_limit(recipe, w))
     return balance(planner_units(w, row, options), layout.pp, layout.vpp, options, in_flight), schedule, layout, shape
 
 
@@ -172,7 +174,8 @@ def test_binding_names_cells_that_exist_in_our_model():
     recipe = recipe_mod.load_recipe("tiny", ["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"])
     shape, layout = recipe.model.to_model_shape(), recipe.layout
     in_flight = validate(build("1f1b", layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
-    w, row = recipe_workload(recipe, "cpu")
+    w = workload.recipe_workload(recipe, "cpu")
+    row = workload.recipe_layout_row(recipe, w)
     placement = balance(planner_units(w, row), layout.pp, layout.vpp, PlacementOptions(), in_flight)
     cfg = bind(placement, "1f1b", layout.micro_batch_num, layout, names=pipeline_cell_names())
     cells = {name for name, _ in TeleChatMoE(recipe.model).cells_and_names()}

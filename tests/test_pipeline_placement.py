@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parallel.pipeline.placement import (Placement, PlacementError, PlacementOptions, Unit, balance,
-                                         equal_layer_split, evaluate, memory_limit, planner_units, recipe_workload)
+                                         equal_layer_split, evaluate, planner_units)
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cost_model import Layouts, StagePlan, block_costs, stage_time
 from precision.tolerance import tolerance
@@ -157,20 +157,27 @@ def test_bad_inputs():
 CLUSTER = "ascend910b"
 
 
+def workload_and_row(recipe, cluster: str):
+    """The planner's workload of the recipe on `cluster` and the recipe's own layout row."""
+    workload = pytest.importorskip("telechat_moe.workload")
+    w = workload.recipe_workload(recipe, cluster)
+    return w, workload.recipe_layout_row(recipe, w)
+
+
 @pytest.fixture(scope="module")
 def shape_1t():
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe("recipes/1t.yaml")
-    return recipe_workload(recipe, CLUSTER)
+    return workload_and_row(recipe, CLUSTER)
 
 
 def plan(recipe_path: str, overrides=()) -> tuple[Placement, Placement, list[Unit], float]:
     """Balanced and equal-layer placements of the recipe's layout on the cluster, under the recipe's device memory."""
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe(recipe_path, list(overrides))
-    w, row = recipe_workload(recipe, CLUSTER)
+    w, row = workload_and_row(recipe, CLUSTER)
     name = "interleaved" if row["vpp"] > 1 else "1f1b"
     in_flight = validate(build(name, row["pp"], row["vpp"], row["m"])).peak_in_flight_by_chunk
     units = planner_units(w, row)
-    limit = memory_limit(recipe, w)
+    limit = pytest.importorskip("telechat_moe.workload").memory_limit(recipe, w)
     return (balance(units, row["pp"], row["vpp"], PlacementOptions(memory_limit=limit), in_flight),
             equal_layer_split(units, row["pp"], row["vpp"], in_flight=in_flight), units, limit)
 
@@ -204,7 +211,7 @@ def test_105b_recipe_and_a_binding_memory_limit():
     assert max(balanced.stage_memory) <= limit and balanced.slowest_over_mean < naive.slowest_over_mean
     free, _, units, _ = plan("recipes/1t.yaml")
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe("recipes/1t.yaml")
-    w, row = recipe_workload(recipe, CLUSTER)
+    w, row = workload_and_row(recipe, CLUSTER)
     in_flight = validate(build("interleaved", 16, 2, row["m"])).peak_in_flight_by_chunk
     tight = 0.99 * max(free.stage_memory)
     got = balance(units, 16, 2, PlacementOptions(memory_limit=tight), in_flight)

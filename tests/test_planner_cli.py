@@ -1,4 +1,4 @@
-"""`python -m parallel.plan`: a search that writes a loadable recipe and a picture, one-layout evaluation, and
+"""`python -m telechat_moe.plan`: a search that writes a loadable recipe and a picture, one-layout evaluation, and
 one-line errors with exit code 2 for bad input."""
 import subprocess
 import sys
@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from parallel.plan import main
+from telechat_moe.plan import main
 from telechat_moe.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "parallel.plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "telechat_moe.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -23,6 +23,7 @@ def test_search_writes_a_recipe_the_trainer_loads(tmp_path, capsys):
                  "--write", str(out), "--png", str(png)]) == 0
     text = capsys.readouterr().out
     assert "layouts/minute" in text and "best:" in text and "event-driven simulator" in text
+    assert out.read_text().startswith("# Written by: python -m telechat_moe.plan --recipe 105b --devices 64 ")
     recipe = load_recipe(str(out))
     assert recipe.layout.world_size == 64
     assert recipe.training.global_batch_size == 128

@@ -125,10 +125,12 @@ def _check_layout(placement: Placement, schedule: str, micro_size: int, layout: 
         layout.validate()
     except LayoutError as e:
         raise BindingError(str(e)) from None
-    for key, plan_value, layout_value in (("pp", placement.stages, layout.pp), ("vpp", placement.chunks, layout.vpp),
+    for key, plan_value, layout_value in (("pipeline_stage", placement.stages, layout.pp),
+                                          ("pp_interleave_num", placement.chunks, layout.vpp),
                                           ("micro_batch_num", micro_size, layout.micro_batch_num)):
         if plan_value != layout_value:
-            raise BindingError(f"{layout.names[key]}: the layout says {layout_value}, the pipeline plan {plan_value}")
+            raise BindingError(f"parallel_config.{key}: the layout says {layout_value}, the pipeline plan "
+                               f"{plan_value}")
 
 
 def _mindformers_offset(placement: Placement) -> tuple[list[list[int]] | None, str]:

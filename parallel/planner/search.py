@@ -2,8 +2,9 @@
 
 Dimensions: tp, pp, vpp, ep, etp, micro-batch size, recompute, EP scheme, EP overlap; dp follows from the device
 count and the number of micro-batches from the global batch. A layout is dropped before scoring when it cannot
-exist (divisibility, micro-batch counts, heads, experts) or is a duplicate (an EP scheme or overlap without EP,
-a hierarchical scheme inside one node).
+exist (the rules of parallel.layout, evaluated on the arrays: divisibility, micro-batch counts, heads, experts,
+layers, tensor parallelism within a node), lies outside the space searched (expert TP wider than the dense TP) or
+is a duplicate (an EP scheme or overlap without EP, a hierarchical scheme inside one node).
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parallel.layout import (experts_fold_over_dense, experts_split, fills_world, global_batch_splits,
+                             heads_split, interleave_fills_stages, interleave_has_stages, layers_fill_chunks,
+                             micro_batches_fill_stages, tp_within_node)
 from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Workload, evaluate
 
 
@@ -45,17 +49,15 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     grids = np.meshgrid(*axes, indexing="ij", sparse=False)
     tp, pp, vpp, ep, etp, mbs, rc, scheme, overlap = (g.ravel() for g in grids)
     raw = tp.size
-    ok = (n % (tp * pp) == 0) & (tp <= w.cluster.devices_per_node) & (s.num_heads % tp == 0)
-    dp = np.where(ok, n // np.maximum(tp * pp, 1), 1)
-    ok &= (dp * tp) % (ep * etp) == 0
-    ok &= (etp <= tp) & (ep * etp <= dp * tp)
-    seqs_per_replica = w.global_batch / dp
-    m = seqs_per_replica / mbs
-    ok &= (w.global_batch % dp == 0) & (m == np.floor(m))
-    m = np.floor(m).astype(np.int64)
-    ok &= (pp == 1) | (m >= pp)
-    ok &= (vpp == 1) | ((pp > 1) & (m % pp == 0))
-    ok &= s.num_layers >= pp * vpp  # every chunk holds at least one layer
+    dp = n // (tp * pp)  # cp is 1
+    ok = fills_world(dp, tp, 1, pp, n) & tp_within_node(tp, w.cluster.devices_per_node) & heads_split(s, tp)
+    dp = np.where(ok, dp, 1)
+    ok &= experts_fold_over_dense(dp, 1, tp, ep, etp) & experts_split(s, ep)
+    ok &= etp <= tp  # the space searched: expert TP within the dense TP group
+    ok &= global_batch_splits(w.global_batch, dp, mbs)
+    m = w.global_batch // (dp * mbs)
+    ok &= micro_batches_fill_stages(pp, m) & interleave_has_stages(pp, vpp) & interleave_fills_stages(pp, vpp, m)
+    ok &= layers_fill_chunks(s, pp, vpp)
     # duplicates: EP options that change nothing
     ok &= (ep > 1) | ((scheme == 0) & (overlap == 0))
     ok &= (scheme == 0) | (ep * etp > w.cluster.devices_per_node)

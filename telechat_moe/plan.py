@@ -1,8 +1,9 @@
-"""Parallel strategy planner: `python -m parallel.plan --recipe 1t.yaml --devices 4096 --cluster ascend910b`.
+"""Parallel strategy planner: `python -m telechat_moe.plan --recipe 1t.yaml --devices 4096 --cluster ascend910b`.
 
 Scores every valid layout of the recipe's model on the cluster, balances the best by ILP, prints the top ones,
 and optionally writes the pick into a recipe (`--write`), draws step time against memory (`--png`), or scores one
-given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). Bad input: one line on stderr, exit code 2.
+given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). Bad input: one line on stderr, exit code 2. It reads recipes,
+so it lives on the application's side of the planner library (parallel.planner), which knows no recipe.
 """
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import time
 from pathlib import Path
 
 from oneline import InputError, OneLineParser
-from parallel.layout import LayoutError, ParallelLayout
-from parallel.planner.cluster import ClusterError, load_cluster
-from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Precision, Workload, evaluate
+from parallel.layout import LayoutError, ParallelLayout, check_model_fit, fills_world, global_batch_splits
+from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Workload, evaluate
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
 from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_recipe
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import even_assignment, score_assignment, solve_ilp
+from telechat_moe.recipe import RecipeError, find_recipe, layout_error_text, load_recipe
+from telechat_moe.workload import WorkloadError, recipe_ep_scheme, recipe_workload
 
-DTYPES = {"float32": ("fp32", 4), "bfloat16": ("bf16", 2), "float16": ("fp16", 2)}
+PROG = "python -m telechat_moe.plan"
 EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
 
 
@@ -30,9 +32,7 @@ class PlanError(InputError):
 
 
 def read_recipe(path: str):
-    """The recipe through the trainer's own loader (base: inheritance, validation): entry points sit on top."""
-    from telechat_moe.recipe import RecipeError, find_recipe, load_recipe
-
+    """The recipe through the trainer's own loader (base: inheritance, validation)."""
     try:
         return load_recipe(path), find_recipe(path)
     except RecipeError as e:
@@ -54,13 +54,13 @@ def parse_layout(text: str, w: Workload, recipe) -> dict:
                 raise PlanError(f"--evaluate: {key} expects a positive integer, got {given[key]!r}")
             ints[key] = int(given[key])
     tp, pp = ints.get("tp", 1), ints.get("pp", 1)
-    if w.devices % (tp * pp):
+    if not fills_world(w.devices // (tp * pp), tp, 1, pp, w.devices):
         raise PlanError(f"--evaluate: tp*pp = {tp * pp} does not divide --devices {w.devices}")
     dp = ints.get("dp", w.devices // (tp * pp))
     mbs = ints.get("mbs", 1)
     if "m" in ints:
         m = ints["m"]
-    elif w.global_batch % (dp * mbs):
+    elif not global_batch_splits(w.global_batch, dp, mbs):
         raise PlanError(f"--evaluate: global batch {w.global_batch} is not divisible by dp*mbs = {dp * mbs}")
     else:
         m = w.global_batch // (dp * mbs)
@@ -68,8 +68,7 @@ def parse_layout(text: str, w: Workload, recipe) -> dict:
         raise PlanError(f"--evaluate: dp*mbs*m = {dp}*{mbs}*{m} = {dp * mbs * m}, but the global batch is "
                         f"{w.global_batch}")
     choices = {"recompute": (given.get("recompute", recipe.recompute_config.mode), RECOMPUTE),
-               "ep_scheme": (given.get("ep_scheme", "hierarchical" if recipe.model.moe_token_dispatcher_type ==
-                                       "hierarchical" else "flat"), EP_SCHEMES),
+               "ep_scheme": (given.get("ep_scheme", recipe_ep_scheme(recipe)), EP_SCHEMES),
                "ep_overlap": (given.get("ep_overlap", "0"), ("0", "1", "false", "true"))}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -80,39 +79,13 @@ def parse_layout(text: str, w: Workload, recipe) -> dict:
     try:
         ParallelLayout(dp=dp, tp=tp, pp=pp, vpp=layout["vpp"], ep=layout["ep"], etp=layout["etp"], sp=tp > 1,
                        micro_batch_num=m, devices_per_node=w.cluster.devices_per_node).validate(w.devices)
-    except LayoutError as e:
-        raise PlanError(f"--evaluate: {e}") from None
-    s = w.shape
-    for ok, message in ((s.num_heads % tp == 0, f"tp={tp} does not divide the {s.num_heads} attention heads"),
-                        (s.num_routed_experts % layout["ep"] == 0,
-                         f"ep={layout['ep']} does not divide the {s.num_routed_experts} routed experts"),
-                        (s.num_layers >= pp * layout["vpp"],
-                         f"pp*vpp = {pp * layout['vpp']} chunks for only {s.num_layers} layers"),
-                        (tp <= w.cluster.devices_per_node,
-                         f"tp={tp} spans more than one node of {w.cluster.devices_per_node} devices")):
-        if not ok:
-            raise PlanError(f"--evaluate: {message}")
-    return layout
-
-
-def build_workload(args, recipe) -> Workload:
+    except LayoutError as e:  # worded in the recipe's keys, as the recipe's own validation words it
+        raise PlanError(f"--evaluate: {layout_error_text(e)}") from None
     try:
-        cluster = load_cluster(args.cluster)
-    except ClusterError as e:
-        raise PlanError(str(e)) from None
-    shape = recipe.model.to_model_shape()
-    seq = args.seq or recipe.model.seq_length
-    dtype = args.dtype or DTYPES[recipe.model.compute_dtype][0]
-    if dtype not in cluster.peak_flops:
-        raise PlanError(f"--dtype: cluster {cluster.name} has no peak for {dtype} (has "
-                        f"{', '.join(sorted(cluster.peak_flops))}); pass --dtype")
-    act_bytes = 4 if dtype == "fp32" else 2
-    param_bytes = DTYPES[recipe.model.params_dtype][1]
-    precision = Precision(matmul_dtype=dtype, activation_bytes=act_bytes, param_bytes=param_bytes,
-                          grad_bytes=param_bytes, optimizer_bytes=8)
-    shape = type(shape)(**{**shape.__dict__, "seq_length": seq})
-    return Workload(shape, cluster, args.devices, seq, args.global_batch or recipe.training.global_batch_size,
-                    precision, shard_optimizer=recipe.parallel_config.optimizer_shard)
+        check_model_fit(w.shape, tp, pp, layout["vpp"], layout["ep"], w.cluster.devices_per_node)
+    except LayoutError as e:
+        raise PlanError(f"--evaluate: {e.reason()}") from None
+    return layout
 
 
 def progress(label: str):
@@ -169,7 +142,7 @@ def run_search(w: Workload, space: SearchSpace, top: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="recipe file (1t.yaml finds recipes/1t.yaml)")
     parser.add_argument("--devices", type=int, help="device count (default: the recipe's layout)")
     parser.add_argument("--cluster", default="ascend910b", help="cluster name or YAML path (default ascend910b)")
@@ -190,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.write and recipe_path.resolve() == Path(args.write).resolve():
             raise PlanError("--write: refusing to overwrite the input recipe; name a new file")
         args.devices = args.devices or recipe.layout.world_size
-        w = build_workload(args, recipe)
+        w = recipe_workload(recipe, args.cluster, args.devices, args.seq, args.global_batch, args.dtype)
         print(f"model {recipe.name}: {w.shape.num_layers} layers, {w.shape.num_routed_experts} experts top-"
               f"{w.shape.top_k}; {w.devices} x {w.cluster.name} ({w.cluster.usable_memory / GIB:.1f} GiB usable), "
               f"seq {w.seq_length}, global batch {w.global_batch}, GEMMs in {w.precision.matmul_dtype}")
@@ -210,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             if not candidates:
                 raise PlanError("--write: nothing to write, no layout fits")
-            command = "python -m parallel.plan " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+            command = f"{PROG} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
             write_recipe(args.write, recipe_path, candidates[0], w, command)
             print(f"wrote {args.write}")
-    except (PlanError, OSError) as e:
-        print(f"parallel.plan: {e}", file=sys.stderr)
+    except (PlanError, WorkloadError, OSError) as e:
+        print(f"telechat_moe.plan: {e}", file=sys.stderr)
         return 2
     return 0
 
