@@ -4,12 +4,16 @@ The model is a chain of units cut into p*v contiguous segments; segment k is chu
 (Megatron/MindFormers interleaved order), so a stage's time is the sum of v non-adjacent segments. `balance`
 minimises the (interleaved) 1F1B period, then the slowest stage's time, under a per-stage memory limit exactly, as
 a mixed-integer program (scipy.optimize.milp / HiGHS); `equal_layer_split` is the naive split it is compared with.
+A unit may offer `choices` (its costs under each recompute mode): the MILP then also picks how many units of each
+segment run each choice. With the options the planner's cost model assumes (dense layers in the first segment,
+the chunks of a stage within one layer of each other, the step itself as the objective, memory over the schedule's
+held-micro-batch profiles) the same program gives the planner's layers and recompute per chunk
+(parallel.planner.stage_ilp).
 
 Units carry plain numbers (seconds, bytes). `planner_units` takes them from the planner's cost model
 (parallel.planner.cost_model) for one layout on one cluster: per block forward and backward time with the TP
 and expert all-to-all communication it charges and the recompute it runs, weights + gradients + optimizer
-states, activations per micro-batch in flight and the block's transient working memory; `recipe_workload`
-gives that layout and cluster for a recipe, `memory_limit` the device memory the placement must respect.
+states, activations per micro-batch in flight and the block's transient working memory.
 """
 from __future__ import annotations
 
@@ -20,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from oneline import InputError
-from parallel.planner.cost_model import Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory, stage_parts
-from parallel.planner.cost_model import in_flight as held_micro_batches
+from parallel.planner.cost_model import (RECOMPUTE, Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
+                                         stage_parts)
 from parallel.pipeline.simulator import StageCosts
 
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
@@ -43,6 +47,9 @@ class Unit:
     transient: float = 0.0  # bytes alive only while the unit runs: a stage holds its units' largest
     forward_comm: float = 0.0  # of `forward`, the in-pass communication (TP, expert all-to-all)
     backward_comm: float = 0.0
+    recompute: str | None = None  # the recompute mode these costs assume (cost_model.RECOMPUTE), None: no layer
+    # the same unit under each recompute mode `balance` may pick from (same weights); (): it runs as given
+    choices: tuple["Unit", ...] = ()
 
     @property
     def time(self) -> float:
@@ -57,7 +64,16 @@ class PlacementOptions:
     # MTP's embedding lookup done on the first stage next to the main one, its result sent along; off: the MTP
     # stage holds its own copy of the embedding table.
     mtp_embedding_on_first_stage: bool = False
+    # off: the MTP's embedding priced as the planner's cost model bills it, neither a second lookup nor a copy
+    mtp_embedding_copy: bool = True
     memory_limit: float = math.inf  # bytes per device
+    # the planner's cost model: the dense layers in the first segment (chunk 0 of stage 0, with the embedding),
+    # every segment holding a layer and the chunks of a stage at most one layer apart (the head's may hold fewer)
+    dense_in_first_segment: bool = False
+    even_chunks: bool = False
+    # minimise the (interleaved) 1F1B step of this many micro-batches, (m - 1/v) * period + work / v, instead of
+    # the period alone: the same placements unless recompute choices change the work
+    micro_batches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,7 @@ class Placement:
     stage_memory: tuple[float, ...]  # peak bytes: fixed part + activations of the in-flight micro-batches
     stage_fixed_memory: tuple[float, ...]  # weights, gradients, optimizer states and the largest transient
     method: str
+    gap: float = 0.0  # relative MIP gap where the solver stopped (0: proven optimal)
 
     @property
     def segments(self) -> list[tuple[Unit, ...]]:
@@ -129,14 +146,18 @@ def _compact(seg: tuple[Unit, ...]) -> str:
     return ", ".join(out) or "-"
 
 
-def _in_flight(stages: int, chunks: int, in_flight) -> np.ndarray:
-    """Micro-batches whose activations a (stage, chunk) holds at its peak; default 1 (memory = one micro-batch)."""
+def _profiles(stages: int, chunks: int, in_flight) -> tuple[np.ndarray, ...]:
+    """Per stage, rows of micro-batches held per chunk at once; a stage's activation peak is the largest row's.
+    `in_flight` is stages x chunks counts (one row each: every chunk at its own peak), or per stage an array of
+    rows (the schedule's held-micro-batch profiles, stage_ilp.held_profiles); default one micro-batch each."""
     if in_flight is None:
-        return np.ones((stages, chunks))
+        return tuple(np.ones((1, chunks)) for _ in range(stages))
+    if len(in_flight) == stages and all(np.ndim(rows) == 2 and np.shape(rows)[1] == chunks for rows in in_flight):
+        return tuple(np.asarray(rows, dtype=float) for rows in in_flight)
     arr = np.asarray(in_flight, dtype=float)
     if arr.shape != (stages, chunks):
         raise PlacementError(f"in_flight: expected {stages} x {chunks} counts, got shape {arr.shape}")
-    return arr
+    return tuple(arr[:, None, :])
 
 
 def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str = "given") -> Placement:
@@ -146,11 +167,11 @@ def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str
     if len(sizes) != stages * chunks or sum(sizes) != len(units) or min(sizes) < 0:
         raise PlacementError(f"sizes: expected {stages * chunks} non-negative segment sizes summing to "
                              f"{len(units)} units, got {list(sizes)}")
-    n = _in_flight(stages, chunks, in_flight)
+    profiles = _profiles(stages, chunks, in_flight)
     time = [0.0] * stages
     static = [0.0] * stages
     transient = [0.0] * stages
-    act = [0.0] * stages
+    act = [[0.0] * len(rows) for rows in profiles]  # per stage and profile
     i = 0
     for k, size in enumerate(sizes):
         s, c = k % stages, k // stages
@@ -158,10 +179,11 @@ def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str
             time[s] += u.time
             static[s] += u.weight_memory
             transient[s] = max(transient[s], u.transient)
-            act[s] += u.activation_memory * n[s, c]
+            for j, held in enumerate(profiles[s][:, c]):
+                act[s][j] += u.activation_memory * held
         i += size
     fixed = tuple(a + b for a, b in zip(static, transient))
-    return Placement(stages, chunks, units, sizes, tuple(time), tuple(f + a for f, a in zip(fixed, act)), fixed,
+    return Placement(stages, chunks, units, sizes, tuple(time), tuple(f + max(a) for f, a in zip(fixed, act)), fixed,
                      method)
 
 
@@ -199,8 +221,12 @@ def equal_layer_split(units, stages: int, chunks: int, in_flight=None) -> Placem
 
 
 def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
-    """(start, length) of the maximal runs of consecutive units with equal time and memory."""
-    key = [(u.forward, u.backward, u.weight_memory, u.activation_memory, u.transient) for u in units]
+    """(start, length) of the maximal runs of consecutive units of one kind with equal time, memory and choices."""
+    def costs(u: Unit) -> tuple:
+        return (u.kind, u.forward, u.backward, u.weight_memory, u.activation_memory, u.transient,
+                tuple(map(costs, u.choices)))
+
+    key = [costs(u) for u in units]
     out: list[tuple[int, int]] = []
     for i in range(len(units)):
         if out and key[i] == key[i - 1]:
@@ -211,18 +237,25 @@ def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
 
 
 def balance(units, stages: int, chunks: int, options: PlacementOptions = PlacementOptions(),
-            in_flight=None, time_limit: float = 60.0, tie_break_nodes: int = 500) -> Placement:
+            in_flight=None, time_limit: float = 60.0, tie_break_nodes: int = 500, gap: float | None = None,
+            tie_breaks: bool = True, prove: bool = True) -> Placement:
     """Exact placement under every stage's memory <= the limit, every segment non-empty, and the MTP options.
 
     Objective, lexicographic: first the steady-state period of (interleaved) 1F1B, the sum over chunks of the
-    slowest stage's chunk (the planner's step formula, stage_ilp: (m - 1/v) * sum_c max_s t[s, c] + work / v),
-    then the slowest stage's time; for one chunk per stage both are the slowest stage. Minimising only the slowest
-    stage lets the chunks of a stage differ freely, and the interleaved step then pays each chunk's own maximum.
+    slowest stage's chunk (the planner's step formula: (m - 1/v) * sum_c max_s t[s, c] + work / v, the step itself
+    with `options.micro_batches`), then the slowest stage's time; for one chunk per stage both are the slowest
+    stage. Minimising only the slowest stage lets the chunks of a stage differ freely, and the interleaved step then
+    pays each chunk's own maximum. Without `tie_breaks` only the first objective; `gap` is the relative MIP gap the
+    first pass stops at (default HiGHS' own); without `prove` the best placement found within `time_limit` is
+    returned, with that gap in Placement.gap, instead of an error.
 
     A MILP over the p*v-1 cut positions. Inside a run of identical units (the MoE layers) the prefix sums of
-    time and memory are linear in the cut's offset, so each cut needs one binary per run (the run it falls in)
-    and an integer offset inside it: a few hundred variables for a 1T model, solved to proven optimality by HiGHS
-    in well under a second (one binary per unit and segment instead takes minutes).
+    time and memory are linear in the cut's offset, so each cut needs one binary per run it can reach (the run it
+    falls in) and an integer offset inside it: a few hundred variables for a 1T model, solved to proven optimality
+    by HiGHS in well under a second (one binary per unit and segment instead takes minutes). A cut that only one
+    run can hold (the planner's options keep every cut inside the MoE layers) is its offset alone. A run whose
+    units offer `choices` adds, per segment that can hold its units, an integer count of them under each choice,
+    and the returned placement holds each unit as the choice it runs.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import lil_matrix
@@ -230,16 +263,22 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     units = tuple(units)
     _check_chain(units, stages, chunks)
     n, segs = len(units), stages * chunks
-    flight = _in_flight(stages, chunks, in_flight)
+    profiles = _profiles(stages, chunks, in_flight)
+    runs = _runs(units)
+    chosen = [r for r, (start, _) in enumerate(runs) if units[start].choices]  # runs whose units pick a choice
+    fixed = np.array([float(not u.choices) for u in units])  # chosen units' time and activations come from counts
     # HiGHS works to absolute tolerances: scale times to at most 1 and memory to the limit
-    t = np.array([u.time for u in units])
-    t = t / max(t.max(), np.finfo(float).tiny)
+    t_scale = max(max(x.time for u in units for x in (u, *u.choices)), np.finfo(float).tiny)
+    t = np.array([u.time for u in units]) * fixed / t_scale
     mem_scale = options.memory_limit if math.isfinite(options.memory_limit) else 1.0
     w = np.array([u.weight_memory for u in units]) / mem_scale
-    a = np.array([u.activation_memory for u in units]) / mem_scale
+    a = np.array([u.activation_memory for u in units]) * fixed / mem_scale
     prefix = {name: np.concatenate([[0.0], np.cumsum(x)]) for name, x in (("t", t), ("w", w), ("a", a))}
     prefix["pos"] = np.arange(n + 1, dtype=float)
-    runs = _runs(units)
+    prefix["layers"] = np.concatenate([[0.0], np.cumsum([u.kind in ("dense", "moe") for u in units])])
+    for r in chosen:
+        start, length = runs[r]
+        prefix[r] = np.concatenate([[0.0], np.cumsum((np.arange(n) >= start) & (np.arange(n) < start + length))])
     rows: list[tuple[dict[int, float], float, float]] = []
 
     integrality: list[int] = []
@@ -250,24 +289,76 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         upper.append(up)
         return len(upper) - 1
 
-    # per internal cut k and run r: in_run (binary), offset inside the run (integer)
-    cut_vars = {(k, r): (var(1.0), var(length - 1.0)) for k in range(1, segs) for r, (_, length) in enumerate(runs)}
-    z = var(np.inf, integer=False)
-    floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the last pass
+    # lo[k]..hi[k]: the positions cut k can take under the rows below (every segment holds a unit, and a layer with
+    # even chunks; the dense layers in the first segment; MTP in the head's), cut k starting segment k
+    layers = [i for i, u in enumerate(units) if u.kind in ("dense", "moe")]
+    dense = [i for i, u in enumerate(units) if u.kind == "dense"]
+    mtps = [i for i, u in enumerate(units) if u.kind == "mtp"]
+    mtp_with_head = bool(mtps) and units[-1].kind == "head" and not options.mtp_apart_from_head
+    lo, hi = np.arange(segs + 1), n - np.arange(segs, -1, -1)
+    for k in range(1, segs):
+        if options.even_chunks and len(layers) >= segs:
+            lo[k], hi[k] = max(lo[k], layers[k - 1] + 1), min(hi[k], layers[len(layers) - segs + k])
+        if options.dense_in_first_segment and dense:
+            lo[k] = max(lo[k], dense[-1] + k)
+        if mtp_with_head:
+            hi[k] = min(hi[k], min(mtps) - (segs - 1 - k))
+    # per internal cut k and run r: in_run (binary), offset inside the run (integer). A cut whose positions all
+    # lie in one run with choices (its end included: the prefixes stay linear up to it) takes neither: its offset
+    # is the run's units counted in the segments before. With the planner's options every cut is such, and the
+    # program is the count program: per segment and choice a count, the counts of a run adding up to its length.
+    cut_vars: dict[int, dict[int, tuple[int | None, int | None]]] = {}
+    for k in range(1, segs):
+        whole = [r for r in chosen if runs[r][0] <= lo[k] <= hi[k] <= sum(runs[r])]
+        cut_vars[k] = ({whole[0]: (None, None)} if whole else
+                       {r: (var(1.0), var(length - 1.0)) for r, (_, length) in enumerate(runs)})
+    if tie_breaks:
+        z = var(np.inf, integer=False)
+        floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the last pass
     chunk_max = [var(np.inf, integer=False) for _ in range(chunks)]
     period = var(np.inf, integer=False)
 
-    def at(k: int, what: str) -> tuple[dict[int, float], float]:
+    def holds(k: int, r: int) -> bool:
+        """Whether segment k can hold units of run r."""
+        start, length = runs[r]
+        return start < hi[k + 1] and lo[k] < start + length
+
+    # per segment and run with choices: how many of the run's units in the segment take each choice
+    picks = {(k, r): [var(float(runs[r][1])) for _ in units[runs[r][0]].choices]
+             for k in range(segs) for r in chosen if holds(k, r)}
+    counted = {r for cut in cut_vars.values() for r, (_, offset) in cut.items() if offset is None}
+
+    def at(k: int, what) -> tuple[dict[int, float], float]:
         """prefix[what] at cut k as a linear expression (coefficients, constant)."""
-        if k == 0 or k == segs:
-            return {}, float(prefix[what][0 if k == 0 else n])
-        acc = {}
+        if k == 0:
+            return {}, float(prefix[what][0])
+        if k == segs:  # the end, less each counted run's units plus their counts (the same, by the rows on counts):
+            acc, const = {}, float(prefix[what][n])  # then the last segment's differences cancel as the others'
+            for r in counted:
+                start, length = runs[r]
+                slope = prefix[what][start + 1] - prefix[what][start]
+                const -= slope * length
+                acc.update({x: slope for j in range(segs) for x in picks.get((j, r), ())})
+            return acc, const
+        acc, const = {}, 0.0
         pre = prefix[what]
-        for r, (start, _) in enumerate(runs):
-            in_run, offset = cut_vars[k, r]
-            acc[in_run] = pre[start]
-            acc[offset] = pre[start + 1] - pre[start]
-        return acc, 0.0
+        for r, (in_run, offset) in cut_vars[k].items():
+            start = runs[r][0]
+            if in_run is None:
+                const = float(pre[start])
+            else:
+                acc[in_run] = pre[start]
+            for x in [offset] if offset is not None else [x for j in range(k) for x in picks.get((j, r), ())]:
+                acc[x] = pre[start + 1] - pre[start]
+        return acc, const
+
+    def segment(k: int, what: str) -> list[tuple[float, tuple[dict[int, float], float]]]:
+        """Segment k's time ('t') or activations ('a'): its fixed units' and its chosen counts'."""
+        terms = [(1.0, at(k + 1, what)), (-1.0, at(k, what))]
+        for r in chosen:
+            for x, c in zip(picks.get((k, r), ()), units[runs[r][0]].choices):
+                terms.append((c.time / t_scale if what == "t" else c.activation_memory / mem_scale, ({x: 1.0}, 0.0)))
+        return terms
 
     def add(terms: list[tuple[float, tuple[dict[int, float], float]]], low: float, up: float) -> None:
         acc: dict[int, float] = {}
@@ -276,16 +367,19 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             for j, v in expr.items():
                 acc[j] = acc.get(j, 0.0) + coef * v
             const += coef * c0
-        rows.append((acc, low - const, up - const))
+        acc = {j: v for j, v in acc.items() if v}
+        if acc or not low <= const <= up:  # a difference of counted cuts may cancel out
+            rows.append((acc, low - const, up - const))
 
     for k in range(1, segs):
-        rows.append(({cut_vars[k, r][0]: 1.0 for r in range(len(runs))}, 1.0, 1.0))
-        for r, (_, length) in enumerate(runs):
-            in_run, offset = cut_vars[k, r]
-            rows.append(({offset: 1.0, in_run: -(length - 1.0)}, -np.inf, 0.0))
+        if None in (in_run for in_run, _ in cut_vars[k].values()):
+            continue
+        rows.append(({in_run: 1.0 for in_run, _ in cut_vars[k].values()}, 1.0, 1.0))
+        for r, (in_run, offset) in cut_vars[k].items():
+            rows.append(({offset: 1.0, in_run: -(runs[r][1] - 1.0)}, -np.inf, 0.0))
     for k in range(segs):  # every segment holds at least one unit, and at most its chunk's slowest time
         add([(1.0, at(k + 1, "pos")), (-1.0, at(k, "pos"))], 1.0, np.inf)
-        add([(1.0, at(k + 1, "t")), (-1.0, at(k, "t")), (-1.0, ({chunk_max[k // stages]: 1.0}, 0.0))], -np.inf, 0.0)
+        add(segment(k, "t") + [(-1.0, ({chunk_max[k // stages]: 1.0}, 0.0))], -np.inf, 0.0)
     rows.append(({period: 1.0, **{x: -1.0 for x in chunk_max}}, 0.0, 0.0))
     holding: dict[int, list[int]] = {}
 
@@ -304,14 +398,20 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     if limited:
         # a stage holds the largest transient of its units: tr_s >= transient of every run reaching stage s. The
         # runs reaching a segment are those between the runs holding its first and last unit, so the run's first
-        # and last unit each get a segment indicator and the run covers segments from the one to the other.
+        # and last unit each get a segment indicator and the run covers segments from the one to the other. With
+        # choices a segment holds one of the units it can hold, and all those it must: its stage's transient is at
+        # least the least of the one and the largest of the others, and only a choice exceeding that takes a
+        # binary (per stage, as the count program: with the planner's options only full recompute's).
         tau = np.array([u.transient for u in units]) / mem_scale
-        low = float(tau.min())  # every stage holds some unit
+        least = np.array([min(x.transient for x in (u, *u.choices)) for u in units]) / mem_scale
+        low = least.min()
+        floors = [max(least[lo[k]:hi[k + 1]].min(), max(least[hi[k]:lo[k + 1]], default=low)) for k in range(segs)]
+        tr_low = [max(floors[s::stages]) if chosen else low for s in range(stages)]
         tr = [var(np.inf, integer=False) for _ in range(stages)]
-        for x in tr:
-            rows.append(({x: 1.0}, low, np.inf))
-        for start, length in runs:
-            if tau[start] <= low:
+        for x, floor_s in zip(tr, tr_low):
+            rows.append(({x: 1.0}, floor_s, np.inf))
+        for r, (start, length) in enumerate(runs):
+            if tau[start] <= low or r in chosen:
                 continue
             first = containing(start)
             last = first if length == 1 else containing(start + length - 1)
@@ -320,26 +420,55 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
                 for x in last[:k]:
                     covers[x] = covers.get(x, 0.0) - 1.0
                 add([(1.0, ({tr[k % stages]: 1.0}, 0.0)), (-tau[start], (covers, 0.0))], 0.0, np.inf)
+        for r in chosen:  # a choice present on a stage raises its transient
+            for s in range(stages):
+                ks = [k for k in range(s, segs, stages) if (k, r) in picks]
+                for i, c in enumerate(units[runs[r][0]].choices):
+                    if ks and c.transient / mem_scale > tr_low[s]:
+                        present = var(1.0)
+                        rows.append(({**{picks[k, r][i]: 1.0 for k in ks}, present: -float(runs[r][1])}, -np.inf,
+                                     0.0))
+                        rows.append(({tr[s]: 1.0, present: -c.transient / mem_scale}, 0.0, np.inf))
     for s in range(stages):
         ks = [c * stages + s for c in range(chunks)]
-        stage_time = [(sign, at(k + d, "t")) for k in ks for sign, d in ((1.0, 1), (-1.0, 0))]
-        add(stage_time + [(-1.0, ({z: 1.0}, 0.0))], -np.inf, 0.0)
-        add(stage_time + [(-1.0, ({floor: 1.0}, 0.0))], 0.0, np.inf)
-        if limited:
+        if tie_breaks:
+            stage_time = [term for k in ks for term in segment(k, "t")]
+            add(stage_time + [(-1.0, ({z: 1.0}, 0.0))], -np.inf, 0.0)
+            add(stage_time + [(-1.0, ({floor: 1.0}, 0.0))], 0.0, np.inf)
+        for held in profiles[s] if limited else ():
             terms = [(1.0, ({tr[s]: 1.0}, 0.0))]
             for c, k in enumerate(ks):
-                for what, coef in (("w", 1.0), ("a", flight[s, c])):
-                    terms += [(coef, at(k + 1, what)), (-coef, at(k, what))]
+                terms += [(1.0, at(k + 1, "w")), (-1.0, at(k, "w"))]
+                terms += [(held[c] * coef, expr) for coef, expr in segment(k, "a")]
             add(terms, -np.inf, 1.0)
-    mtps = [i for i, u in enumerate(units) if u.kind == "mtp"]
     if mtps and units[-1].kind == "head":
         if options.mtp_apart_from_head:  # the head's stage p-1 holds no MTP
             for j in mtps:
                 g = containing(j)
                 for k in range(stages - 1, segs, stages):
                     upper[g[k]] = 0.0
-        else:  # MTP in the head's segment, the last one
-            add([(1.0, at(segs - 1, "pos"))], -np.inf, float(min(mtps)))
+        elif segs > 1 and max(sum(runs[r]) for r in cut_vars[segs - 1]) > min(mtps):
+            add([(1.0, at(segs - 1, "pos"))], -np.inf, float(min(mtps)))  # MTP in the head's segment, the last one
+    for (k, r), xs in picks.items():  # the counts of a segment's choices add up to its units of the run
+        add([(1.0, at(k + 1, r)), (-1.0, at(k, r))] + [(-1.0, ({x: 1.0}, 0.0)) for x in xs], 0.0, 0.0)
+    for r in counted:  # and those of a counted run to its length
+        rows.append(({x: 1.0 for (_, q), xs in picks.items() if q == r for x in xs}, runs[r][1], runs[r][1]))
+    if options.dense_in_first_segment and dense and segs > 1 and min(runs[r][0] for r in cut_vars[1]) <= dense[-1]:
+        add([(1.0, at(1, "pos"))], dense[-1] + 1.0, np.inf)
+    if options.even_chunks:
+        for s in range(stages):
+            q = var(np.inf)  # the fewest layers of the stage's chunks
+            for k in range(s, segs, stages):
+                layers = [(1.0, at(k + 1, "layers")), (-1.0, at(k, "layers"))]
+                add(layers, 1.0, np.inf)
+                add(layers + [(-1.0, ({q: 1.0}, 0.0))], -np.inf if k == segs - 1 else 0.0, 1.0)
+    goal = period
+    if options.micro_batches:  # the step: (m - 1/v) * period + work / v
+        goal = var(np.inf, integer=False)
+        work = {x: -c.time / t_scale / chunks for (_, r), xs in picks.items()
+                for x, c in zip(xs, units[runs[r][0]].choices)}
+        fixed_work = float(prefix["t"][n]) / chunks
+        rows.append(({goal: 1.0, period: -(options.micro_batches - 1.0 / chunks), **work}, fixed_work, fixed_work))
 
     nv = len(upper)
     mat = lil_matrix((len(rows), nv))
@@ -349,7 +478,6 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             mat[i, j] = v
         lo[i], hi[i] = low, up
     constraints = LinearConstraint(mat.tocsr(), lo, hi)
-    bounds = Bounds(np.zeros(nv), np.array(upper))
 
     def solve(cost: np.ndarray, bounds: Bounds, limits: dict, prove: bool):
         res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds, options=limits)
@@ -357,7 +485,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds,
                        options={**limits, "presolve": False})
         if res.x is None:
-            why = "memory_limit" if math.isfinite(options.memory_limit) else "the MTP and non-empty-segment constraints"
+            why = "memory_limit" if limited else "the MTP, non-empty-segment and chunk constraints"
             raise PlacementError(f"no placement of {n} units on {stages} stages x {chunks} chunks satisfies {why} "
                                  f"({res.message})")
         if prove and res.status != 0:
@@ -378,98 +506,91 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
 
     bound = np.array(upper)
     proven = {"time_limit": time_limit}
-    res = minimise(period, bound, proven, prove=True)
-    if chunks > 1:
-        bound = capped(bound, period, res.x[period])
-        res = minimise(z, bound, proven, prove=True)
+    res = minimise(goal, bound, proven if gap is None else {**proven, "mip_rel_gap": gap}, prove)
+    stopped_at = float(getattr(res, "mip_gap", 0.0) or 0.0) if res.status != 0 else 0.0
+    if tie_breaks and chunks > 1:
+        bound = capped(bound, goal, res.x[goal])
+        res = minimise(z, bound, proven, prove)
     # last pass, a tie-break: among the placements with that period and slowest stage, raise the fastest one, so
     # that the other stages do not keep whatever uneven split the first passes returned. Its best within a node
     # budget will do (a node budget, not a time limit, so that the answer does not depend on the machine's speed).
-    res = minimise(floor, capped(bound, z, res.x[z]), {"node_limit": tie_break_nodes, "time_limit": time_limit},
-                   prove=False, sign=-1.0)
+    if tie_breaks:
+        res = minimise(floor, capped(bound, z, res.x[z]), {"node_limit": tie_break_nodes, "time_limit": time_limit},
+                       prove=False, sign=-1.0)
     x = np.round(res.x)
     cuts = []
     for k in range(segs + 1):
         expr, const = at(k, "pos")
         cuts.append(int(round(const + sum(c * x[j] for j, c in expr.items()))))
-    return evaluate(units, stages, chunks, np.diff(cuts), flight, method="balanced (MILP)")
+    placed = list(units)
+    for (k, r), xs in picks.items():  # the run's units in segment k, in order, as the counted choices
+        start, length = runs[r]
+        first, end = max(cuts[k], start), min(cuts[k + 1], start + length)
+        placed[first:end] = [c for j, c in zip(xs, units[start].choices) for _ in range(int(x[j]))]
+    return dataclasses.replace(evaluate(placed, stages, chunks, np.diff(cuts), profiles, method="balanced (MILP)"),
+                               gap=stopped_at)
 
 
 # ---- units from the planner's cost model ---------------------------------------------------------------------------
-def planner_units(w: Workload, layout: dict, options: PlacementOptions = PlacementOptions()) -> list[Unit]:
+def planner_units(w: Workload, layout: dict, options: PlacementOptions = PlacementOptions(),
+                  recompute: tuple[str, ...] = ()) -> list[Unit]:
     """The model as a chain [embedding, dense layers, MoE layers, MTP depths, head] with the cost model's costs for
     `layout` (a Layouts.row dict): each unit is one block scored alone on a stage (stage_parts, stage_memory).
 
     The cost model bills head and MTP together on the last stage; the head is scored on the model without MTP and
     each MTP depth as the difference. MTP on a stage of its own holds its own copy of the head (the head's vocabulary
     matrix) and, unless its embedding lookup runs on the first stage (`mtp_embedding_on_first_stage`, which adds
-    that lookup to the embedding unit), a copy of the embedding table.
+    that lookup to the embedding unit) or `mtp_embedding_copy` is off, a copy of the embedding table. Dense, MoE and
+    MTP units run the layout's recompute mode and offer each mode of `recompute` as a choice to `balance`.
     """
-    mode = ("none", "selective", "full").index(layout["recompute"])
+    own = layout["recompute"]
+    modes = tuple(dict.fromkeys((own, *recompute)))
     head_only = dataclasses.replace(w, shape=dataclasses.replace(w.shape, mtp_depth=0))
-    rows = [("embedding", w), ("dense", w), ("moe", w), ("head", head_only), ("last", w)]
+    rows = [("embedding", None), ("head", None)] + [(name, r) for r in modes for name in ("dense", "moe", "last")]
     n = len(rows)
-    lay = Layouts(**{k: np.full(n, v) for k, v in Layouts.single(**layout).__dict__.items()})
-    onehot = lambda names: np.array([[float(r == mode and name in names) for name, _ in rows]  # noqa: E731
-                                     for r in range(3)])
-    plan = StagePlan(stage=np.zeros(n, int), dense_by_mode=onehot({"dense"}), moe_by_mode=onehot({"moe"}),
+    lay = Layouts.single(**layout).take(np.zeros(n, int))
+    by_mode = lambda kind: np.array([[float(name == kind and r == mode) for name, r in rows]  # noqa: E731
+                                     for mode in RECOMPUTE])
+    plan = StagePlan(stage=np.zeros(n, int), dense_by_mode=by_mode("dense"), moe_by_mode=by_mode("moe"),
                      embedding=np.array([float(name == "embedding") for name, _ in rows]),
-                     last=np.array([float(name in ("head", "last")) for name, _ in rows]), mtp_mode=np.full(n, mode))
-    cost: dict[str, dict[str, float]] = {}
-    for i, (name, wk) in enumerate(rows):
+                     last=np.array([float(name in ("head", "last")) for name, _ in rows]),
+                     mtp_mode=np.array([RECOMPUTE.index(r or own) for _, r in rows]))
+    cost: dict[tuple, dict[str, float]] = {}
+    for wk in (w, head_only):
         b = block_costs(wk, lay)
         parts = stage_parts(wk, b, plan)
         mem = stage_memory(wk, lay, b, plan)
-        cost[name] = {key: float(parts[key][i]) for key in parts}
-        cost[name].update(static=float((mem["weights"] + mem["grads"] + mem["optimizer"])[i]),
-                          act=float(mem["activations"][i] / held_micro_batches(lay, plan.stage)[i]),
-                          transient=float(mem["transient"][i]))
+        for i, row in enumerate(rows):
+            if (wk is head_only) == (row[0] == "head"):
+                cost[row] = {key: float(parts[key][i]) for key in parts}
+                cost[row].update(static=float((mem["weights"] + mem["grads"] + mem["optimizer"])[i]),
+                                 act=float(mem["activation_per_microbatch"][i]), transient=float(mem["transient"][i]))
+    head, emb = cost["head", None], dict(cost["embedding", None])
     depth = w.shape.mtp_depth
-    mtp = {key: (cost["last"][key] - cost["head"][key]) / max(depth, 1) for key in cost["last"]}
-    mtp["transient"] = cost["last"]["transient"]  # an MTP depth runs the shared head itself
-    if options.mtp_apart_from_head:
-        mtp["static"] += cost["head"]["static"]
-    emb = dict(cost["embedding"])
+    for r in modes:
+        last = cost["last", r]
+        mtp = cost["mtp", r] = {key: (last[key] - head[key]) / max(depth, 1) for key in last}
+        mtp["transient"] = last["transient"]  # an MTP depth runs the shared head itself
+        if options.mtp_apart_from_head:
+            mtp["static"] += head["static"]
+        if depth and options.mtp_embedding_copy and not options.mtp_embedding_on_first_stage:
+            mtp["static"] += emb["static"]
     if depth and options.mtp_embedding_on_first_stage:
         for key in ("fwd_compute", "bwd_compute"):
             emb[key] *= 1 + depth
-    elif depth:
-        mtp["static"] += cost["embedding"]["static"]
 
-    def unit(name: str, kind: str, c: dict, layer: int = -1) -> Unit:
+    def unit(name: str, kind: str, c: dict, layer: int = -1, r: str | None = None) -> Unit:
         return Unit(name, kind, c["fwd_compute"] + c["fwd_comm"], c["bwd_compute"] + c["bwd_comm"], c["static"],
-                    c["act"], layer, c["transient"], c["fwd_comm"], c["bwd_comm"])
+                    c["act"], layer, c["transient"], c["fwd_comm"], c["bwd_comm"], r)
+
+    def block(name: str, kind: str, layer: int = -1) -> Unit:
+        choices = tuple(unit(name, kind, cost[kind, r], layer, r) for r in RECOMPUTE if r in recompute)
+        return dataclasses.replace(unit(name, kind, cost[kind, own], layer, own), choices=choices)
 
     units = [unit("embedding", "embedding", emb)]
-    units += [unit(f"L{i}", "dense" if i < w.shape.first_k_dense else "moe",
-                   cost["dense" if i < w.shape.first_k_dense else "moe"], i) for i in range(w.shape.num_layers)]
-    units += [unit(f"mtp{d}" if depth > 1 else "mtp", "mtp", mtp) for d in range(depth)]
-    return units + [unit("head", "head", cost["head"])]
-
-
-def recipe_workload(recipe, cluster: str) -> tuple[Workload, dict]:
-    """The planner's workload (the recipe's model on its device count of `cluster`) and the recipe's layout as a
-    Layouts.row dict, as `python -m parallel.plan --recipe R --cluster C --evaluate ...` scores it."""
-    from types import SimpleNamespace
-
-    from parallel.plan import build_workload
-
-    lay = recipe.layout
-    w = build_workload(SimpleNamespace(cluster=cluster, seq=None, dtype=None, devices=lay.world_size,
-                                       global_batch=None), recipe)
-    hierarchical = recipe.model.moe_token_dispatcher_type == "hierarchical"
-    row = {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
-           "mbs": w.global_batch // (lay.dp * lay.micro_batch_num), "m": lay.micro_batch_num,
-           "recompute": recipe.recompute_config.mode, "ep_scheme": "hierarchical" if hierarchical else "flat",
-           "ep_overlap": False}
-    return w, row
-
-
-def memory_limit(recipe, w: Workload) -> float:
-    """Bytes per device: the recipe's context.max_device_memory_gb (MindSpore's GB are GiB) or the cluster's
-    usable memory."""
-    gb = recipe.context.max_device_memory_gb
-    return gb * 2 ** 30 if gb > 0 else w.cluster.usable_memory
+    units += [block(f"L{i}", "dense" if i < w.shape.first_k_dense else "moe", i) for i in range(w.shape.num_layers)]
+    units += [block(f"mtp{d}" if depth > 1 else "mtp", "mtp") for d in range(depth)]
+    return units + [unit("head", "head", head)]
 
 
 def placement_p2p(w: Workload, layout: dict) -> float:

@@ -15,13 +15,13 @@ from parallel.pipeline.schedules import build
 from parallel.pipeline.simulator import SimResult, StageCosts, simulate
 from parallel.planner.cost_model import (Layouts, Workload, block_costs, p2p_time, stage_memory, stage_parts,
                                          summarise, update_time)
-from parallel.planner.stage_ilp import StageAssignment, _repeat, chunk_plans, even_assignment, schedule_name
+from parallel.planner.stage_ilp import StageAssignment, chunk_plans, even_assignment, schedule_name
 
 
 def pipeline_costs(w: Workload, layout: dict, a: StageAssignment) -> StageCosts:
     """Per-(stage, chunk) costs of one micro-batch: seconds and activation bytes."""
     pp, v = layout["pp"], layout["vpp"]
-    lay = _repeat(layout, pp * v)
+    lay = Layouts.single(**layout).take(np.zeros(pp * v, int))
     st = chunk_plans(layout, [a])
     b = block_costs(w, lay)
     parts = stage_parts(w, b, st)
@@ -46,7 +46,7 @@ def simulate_layout(w: Workload, layout: dict, a: StageAssignment | None = None,
     a = a or even_assignment(w, layout)
     pp, v = layout["pp"], layout["vpp"]
     sim = simulate(build(schedule or schedule_name(layout), pp, v, layout["m"]), pipeline_costs(w, layout, a))
-    lay = _repeat(layout, pp * v)
+    lay = Layouts.single(**layout).take(np.zeros(pp * v, int))
     b = block_costs(w, lay)
     st = chunk_plans(layout, [a])
     mem = stage_memory(w, lay, b, st)
@@ -55,7 +55,7 @@ def simulate_layout(w: Workload, layout: dict, a: StageAssignment | None = None,
     fwd = per_stage(parts["fwd_compute"] + parts["fwd_comm"])
     bwd = per_stage(parts["bwd_compute"] + parts["bwd_comm"])
     params = {k: per_stage(mem[k]) for k in ("dense_params", "expert_params")}
-    step = sim.step_time + float(update_time(w, _repeat(layout, pp), params, fwd, bwd).max())
+    step = sim.step_time + float(update_time(w, lay.take(np.zeros(pp, int)), params, fwd, bwd).max())
     static = per_stage(mem["weights"] + mem["grads"] + mem["optimizer"]) + mem["transient"].reshape(pp, v).max(axis=1)
     memory = [float(x) for x in static + np.array(sim.peak_activation)]
     scores = summarise(w, Layouts.single(**layout), np.array([step]), np.array([sim.step_time]),

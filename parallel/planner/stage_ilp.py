@@ -1,4 +1,4 @@
-"""Layers and recompute per pipeline chunk for one layout: an integer linear program, and brute force.
+"""Layers and recompute per pipeline chunk for one layout: the placement MILP on the cost model, and brute force.
 
 Decision: how many MoE layers each (stage, virtual chunk) holds under each recompute mode (none / selective /
 full), how the first-k dense layers (at the start of chunk 0 of stage 0) are recomputed, and the recompute mode of
@@ -14,25 +14,27 @@ Memory: a stage's activation peak only depends on its own order of forwards and 
 over the prefixes of that order of (micro-batches held per chunk) x (activation per chunk): one linear row per
 distinct prefix. Plus weights, gradients, optimizer states and the largest transient of a block on the stage.
 
-Every coefficient comes from the cost model itself (one-layer chunks minus empty ones), and `assess` scores any
-assignment with the cost model and the schedule directly, so brute force checks the program exactly.
+The program is parallel.pipeline.placement's `balance` over the cost model's units (`planner_units`), each dense
+layer, MoE layer and MTP depth offering the three recompute modes as choices, under the options that state the
+above; every coefficient comes from the cost model itself, and `assess` scores any assignment with the cost model
+and the schedule directly, so brute force checks the program exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
+from parallel.pipeline.placement import PlacementError, PlacementOptions, balance, planner_units
 from parallel.pipeline.schedules import Kind, build
-from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
+from parallel.planner.cost_model import (RECOMPUTE, Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
                                          stage_parts, step_time, summarise, update_time)
 from parallel.planner.model_shape import even_layer_split
 
-MODES = 3
-GIB = 2.0 ** 30
+MODES = len(RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,6 @@ def held_profiles(pp: int, v: int, m: int, name: str) -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def _repeat(layout: dict, n: int) -> Layouts:
-    return Layouts(**{k: np.full(n, v) for k, v in Layouts.single(**layout).__dict__.items()})
-
-
 def chunk_plans(layout: dict, assignments: list[StageAssignment]) -> StagePlan:
     """All chunks of all assignments as one StagePlan, ordered assignment, stage, chunk."""
     pp, v = layout["pp"], layout["vpp"]
@@ -107,7 +105,7 @@ def assess(w: Workload, layout: dict, assignments: list[StageAssignment],
     'memory' [n, pp] (bytes per stage), 'fwd' / 'bwd' [n, pp] (per-micro-batch stage seconds), 'chunk_time'."""
     pp, v, m = layout["pp"], layout["vpp"], layout["m"]
     n = len(assignments)
-    lay = _repeat(layout, n * pp * v)
+    lay = Layouts.single(**layout).take(np.zeros(n * pp * v, int))
     st = chunk_plans(layout, assignments)
     b = block_costs(w, lay)
     parts = stage_parts(w, b, st)
@@ -131,9 +129,9 @@ def score_assignment(w: Workload, layout: dict, a: StageAssignment) -> dict:
     r = assess(w, layout, [a])
     pp = layout["pp"]
     one = Layouts.single(**layout)
-    lay = _repeat(layout, pp)
+    lay, chunks = one.take(np.zeros(pp, int)), one.take(np.zeros(pp * layout["vpp"], int))
     st = chunk_plans(layout, [a])
-    mem = stage_memory(w, _repeat(layout, pp * layout["vpp"]), block_costs(w, _repeat(layout, pp * layout["vpp"])), st)
+    mem = stage_memory(w, chunks, block_costs(w, chunks), st)
     per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1) for k in ("dense_params", "expert_params")}
     t = r["chunk_time"][0]
     pipe = step_time(one.m, one.vpp, one.pp, t.max(axis=0).sum(), t.sum(), p2p_time(w, one))
@@ -162,149 +160,31 @@ def even_assignment(w: Workload, layout: dict) -> StageAssignment:
     return StageAssignment(unit(k), tuple(stages), mode)
 
 
-def _coefficients(w: Workload, layout: dict) -> dict[str, np.ndarray]:
-    """Time, static memory, activation and transient of: an empty chunk, the embedding, head+MTP per MTP mode,
-    one MoE layer per mode and one dense layer per mode, all measured on the cost model."""
-    rows = [("empty", (0,) * 3, (0,) * 3, 0, 0, 0), ("embedding", (0,) * 3, (0,) * 3, 1, 0, 0)]
-    rows += [(f"head{r}", (0,) * 3, (0,) * 3, 0, 1, r) for r in range(MODES)]
-    for r in range(MODES):
-        unit = tuple(int(i == r) for i in range(MODES))
-        rows += [(f"moe{r}", (0,) * 3, unit, 0, 0, 0), (f"dense{r}", unit, (0,) * 3, 0, 0, 0)]
-    n = len(rows)
-    lay = _repeat(layout, n)
-    st = StagePlan(stage=np.zeros(n, int), dense_by_mode=np.array([r[1] for r in rows], float).T,
-                   moe_by_mode=np.array([r[2] for r in rows], float).T, embedding=np.array([r[3] for r in rows], float),
-                   last=np.array([r[4] for r in rows], float), mtp_mode=np.array([r[5] for r in rows]))
-    b = block_costs(w, lay)
-    parts = stage_parts(w, b, st)
-    mem = stage_memory(w, lay, b, st)
-    t = parts["fwd_compute"] + parts["fwd_comm"] + parts["bwd_compute"] + parts["bwd_comm"]
-    static = mem["weights"] + mem["grads"] + mem["optimizer"]
-    table = {"t": t, "static": static / GIB, "act": mem["activation_per_microbatch"] / GIB,
-             "transient": mem["transient"] / GIB}  # GiB: byte-sized rows beside seconds mislead HiGHS
-    name = {r[0]: i for i, r in enumerate(rows)}
-    return {f"{key}_{label}": vals[name[label]] - (vals[0] if key != "transient" else 0)
-            for key, vals in table.items() for label in name}
-
-
 def solve_ilp(w: Workload, layout: dict, memory_limit: float | None = None, time_limit: float = 10.0,
               gap: float = 1e-9, schedule: str | None = None) -> StageAssignment | None:
     """Optimal assignment for `layout` (a Layouts.row dict) under pipeline `schedule` (default 1F1B or
-    interleaved), or None when none fits in memory."""
-    limit = (w.cluster.usable_memory if memory_limit is None else memory_limit) / GIB
+    interleaved), or None when none fits in memory: the placement MILP with every recompute mode a choice, the
+    dense layers with the embedding, even chunks, the step as objective and memory over the schedule's profiles;
+    the best found within `time_limit` (seconds), its relative gap in StageAssignment.gap."""
     pp, v, m = layout["pp"], layout["vpp"], layout["m"]
-    k, n_moe = w.shape.first_k_dense, w.shape.num_layers - w.shape.first_k_dense
-    co = _coefficients(w, layout)
-    profiles = held_profiles(pp, v, m, schedule or schedule_name(layout))
-    var: dict[tuple, int] = {}
-
-    def idx(*key) -> int:
-        return var.setdefault(key, len(var))
-
-    for s in range(pp):
-        for c in range(v):
-            for r in range(MODES):
-                idx("x", s, c, r)
-    for r in range(MODES):
-        idx("y", r), idx("mtp", r)
-    for c in range(v):
-        idx("Z", c)
-    for s in range(pp):
-        idx("q", s)
-        idx("tr", s)
-        for r in range(MODES):
-            if s == 0 or r == 2:
-                idx("u", s, r)
-    for r in range(MODES):
-        idx("ud", r)
-    rows: list[tuple[dict, float, float]] = []
-
-    def chunk_terms(s: int, c: int, key: str) -> tuple[dict, float]:
-        """Linear terms and constant of a chunk's `key` ('t', 'static' or 'act')."""
-        terms = {var["x", s, c, r]: co[f"{key}_moe{r}"] for r in range(MODES)}
-        const = 0.0
-        if s == c == 0:
-            terms.update({var["y", r]: co[f"{key}_dense{r}"] for r in range(MODES)})
-            const += co[f"{key}_embedding"]
-        if s == pp - 1 and c == v - 1:
-            terms.update({var["mtp", r]: co[f"{key}_head{r}"] for r in range(MODES)})
-        return terms, const
-
-    rows.append(({var["y", r]: 1 for r in range(MODES)}, k, k))
-    rows.append(({var["x", s, c, r]: 1 for s in range(pp) for c in range(v) for r in range(MODES)}, n_moe, n_moe))
-    rows.append(({var["mtp", r]: 1 for r in range(MODES)}, 1, 1))
-    for s in range(pp):
-        static: dict[int, float] = {}
-        static_const = 0.0
-        acts = []
-        for c in range(v):
-            layers = {var["x", s, c, r]: 1 for r in range(MODES)}
-            if s == c == 0:
-                layers.update({var["y", r]: 1 for r in range(MODES)})
-            rows.append((layers, 1, np.inf))  # no empty virtual stage
-            # chunks of a stage differ by at most one layer (the head's chunk may hold fewer): the step-time
-            # formula assumes even chunks, and the simulator confirms it only for those
-            rows.append(({**layers, var["q", s]: -1.0}, -np.inf if s == pp - 1 and c == v - 1 else 0, 1))
-            terms, const = chunk_terms(s, c, "t")
-            rows.append(({**terms, var["Z", c]: -1.0}, -np.inf, -const))
-            terms, const = chunk_terms(s, c, "static")
-            for i, x in terms.items():
-                static[i] = static.get(i, 0.0) + x
-            static_const += const
-            acts.append(chunk_terms(s, c, "act"))
-        for h in profiles[s]:
-            row = dict(static)
-            const = static_const
-            for c, (terms, act_const) in enumerate(acts):
-                for i, x in terms.items():
-                    row[i] = row.get(i, 0.0) + h[c] * x
-                const += h[c] * act_const
-            row[var["tr", s]] = 1.0
-            rows.append((row, -np.inf, limit - const))
-        # transient >= that of every block kind present; stages after the first hold only MoE layers (at least
-        # one), and recompute none/selective share the base transient, so there only full recompute needs an
-        # indicator
-        for r in range(MODES):
-            layers = {var["x", s, c, r]: 1 for c in range(v)}
-            if s > 0 and r < 2:
-                rows.append(({var["tr", s]: 1}, co[f"transient_moe{r}"], np.inf))
-            else:
-                rows.append(({**layers, var["u", s, r]: -n_moe}, -np.inf, 0))
-                rows.append(({var["tr", s]: 1, var["u", s, r]: -co[f"transient_moe{r}"]}, 0, np.inf))
-            if s == pp - 1:
-                rows.append(({var["tr", s]: 1, var["mtp", r]: -co[f"transient_head{r}"]}, 0, np.inf))
-    for r in range(MODES):
-        rows.append(({var["y", r]: 1, var["ud", r]: -max(k, 1)}, -np.inf, 0))
-        rows.append(({var["tr", 0]: 1, var["ud", r]: -co[f"transient_dense{r}"]}, 0, np.inf))
-    cost = np.zeros(len(var))
-    constant = 0.0
-    for c in range(v):
-        cost[var["Z", c]] = m - 1 / v
-        for s in range(pp):
-            terms, const = chunk_terms(s, c, "t")
-            for i, x in terms.items():
-                cost[i] += x / v
-            constant += const / v
-    A = np.zeros((len(rows), len(var)))
-    for j, (terms, _, _) in enumerate(rows):
-        for i, x in terms.items():
-            A[j, i] += x
-    integrality = np.array([0 if key[0] in ("Z", "tr") else 1 for key in var])
-    upper = np.array([1 if key[0] in ("mtp", "u", "ud") else np.inf for key in var])
-    res = milp(cost, constraints=LinearConstraint(A, [r[1] for r in rows], [r[2] for r in rows]),
-               integrality=integrality, bounds=Bounds(np.zeros(len(var)), upper),
-               options={"time_limit": time_limit, "mip_rel_gap": gap})
-    if res.x is None:
+    options = PlacementOptions(mtp_embedding_copy=False, dense_in_first_segment=True, even_chunks=True, micro_batches=m,
+                               memory_limit=w.cluster.usable_memory if memory_limit is None else memory_limit)
+    try:
+        placed = balance(planner_units(w, layout, options, RECOMPUTE), pp, v, options,
+                         held_profiles(pp, v, m, schedule or schedule_name(layout)), time_limit=time_limit, gap=gap,
+                         tie_breaks=False, prove=False)
+    except PlacementError:
         return None
-    x = np.rint(res.x).astype(int)
-    a = StageAssignment(
-        dense_by_mode=tuple(int(x[var["y", r]]) for r in range(MODES)),
-        moe_by_mode=tuple(tuple(tuple(int(x[var["x", s, c, r]]) for r in range(MODES)) for c in range(v))
-                          for s in range(pp)),
-        mtp_mode=int(np.argmax([x[var["mtp", r]] for r in range(MODES)])))
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0) if res.status != 0 else 0.0
-    return StageAssignment(a.dense_by_mode, a.moe_by_mode, a.mtp_mode,
-                           float(assess(w, layout, [a], schedule)["objective"][0]), gap)
+    segments = placed.segments
+
+    def by_mode(units, kind: str) -> tuple[int, ...]:
+        return tuple(sum(u.kind == kind and u.recompute == r for u in units) for r in RECOMPUTE)
+
+    a = StageAssignment(dense_by_mode=by_mode(placed.units, "dense"),
+                        moe_by_mode=tuple(tuple(by_mode(segments[c * pp + s], "moe") for c in range(v))
+                                          for s in range(pp)),
+                        mtp_mode=next((RECOMPUTE.index(u.recompute) for u in placed.units if u.kind == "mtp"), 0))
+    return dataclasses.replace(a, objective=float(assess(w, layout, [a], schedule)["objective"][0]), gap=placed.gap)
 
 
 def chunks_even(a: StageAssignment) -> bool:
