@@ -6,7 +6,7 @@ import pytest
 from parallel.planner.model_shape import parameter_breakdown
 from telechat_moe.errors import RecipeError
 from telechat_moe.recipe import check_trainable, find_recipe, launched_processes, load_recipe
-from tests.helpers import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli, run_main
 
 ALL = ["tiny", "small", "105b", "370b", "1t"]
 
@@ -48,9 +48,9 @@ def test_dry_run_prints_breakdown_flops_and_memory():
     assert "1110.578 B" in out
 
 
-def test_too_big_for_this_machine_stops_before_allocating():
-    proc = run_cli("run_train.py", "--recipe", "1t.yaml", "--set", "context.device_target=CPU",
-                   "--set", "model.compute_dtype=float32")
+def test_too_big_for_this_machine_stops_before_allocating(capfd):
+    proc = run_main(capfd, "--recipe", "1t.yaml", "--set", "context.device_target=CPU",
+                    "--set", "model.compute_dtype=float32")
     assert_one_line_error(proc, "--dry-run", "GiB")
 
 
@@ -101,10 +101,17 @@ MALFORMED_SETS = [
 ]
 
 
+# In this process through run_train.main (a new interpreter per case would cost a MindSpore import each); the CLI
+# itself, in a fresh process, is covered by the case below and by test_cli_errors_are_one_line_in_a_fresh_process.
 @pytest.mark.parametrize("assignments,field,hint", MALFORMED_SETS, ids=[" ".join(m[0]) for m in MALFORMED_SETS])
-def test_malformed_override_exits_2_with_one_line(assignments, field, hint):
+def test_malformed_override_exits_2_with_one_line(assignments, field, hint, capfd):
     sets = [arg for a in assignments for arg in ("--set", a)]
-    assert_one_line_error(run_cli("run_train.py", "--recipe", "tiny", "--dry-run", *sets), field, hint)
+    assert_one_line_error(run_main(capfd, "--recipe", "tiny", "--dry-run", *sets), field, hint)
+
+
+def test_malformed_override_exits_2_with_one_line_in_a_fresh_process():
+    assert_one_line_error(run_cli("run_train.py", "--recipe", "tiny", "--dry-run", "--set", "model.hiden_size=64"),
+                          "model.hiden_size", "did you mean model.hidden_size")
 
 
 def test_yarn_with_its_ramp_in_order_is_accepted():
@@ -148,9 +155,9 @@ def test_data_parallel_without_msrun_stops_before_mindspore(tmp_path):
     assert proc.stdout.strip() == "False" and not out.exists()
 
 
-def test_planner_only_dispatcher_plans_but_does_not_train(tmp_path):
+def test_planner_only_dispatcher_plans_but_does_not_train(tmp_path, capfd):
     alltoall = ["--set", "model.moe_token_dispatcher_type=alltoall"]
-    assert run_cli("run_train.py", "--recipe", "tiny", "--dry-run", *alltoall).returncode == 0
+    assert run_main(capfd, "--recipe", "tiny", "--dry-run", *alltoall).returncode == 0
     out = tmp_path / "out"
     proc = run_cli("-c", MAIN_AND_MINDSPORE, "--recipe", "tiny", *alltoall, "--set", f"output_dir={out}")
     assert_one_line_error(proc, "model.moe_token_dispatcher_type", "'alltoall'", "local")
@@ -167,26 +174,35 @@ MALFORMED_FILES = {
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED_FILES))
-def test_malformed_recipe_file_exits_2_with_one_line(case, tmp_path):
+def test_malformed_recipe_file_exits_2_with_one_line(case, tmp_path, capfd):
     text, hint = MALFORMED_FILES[case]
     (tmp_path / "tiny.yaml").write_text(find_recipe("tiny").read_text().replace("base: base.yaml", "base: base2.yaml"))
     (tmp_path / "base2.yaml").write_text(find_recipe("base").read_text())
     path = tmp_path / f"{case}.yaml"
     path.write_text(text)
-    assert_one_line_error(run_cli("run_train.py", "--recipe", str(path), "--dry-run"), hint)
+    assert_one_line_error(run_main(capfd, "--recipe", str(path), "--dry-run"), hint)
 
 
-def test_base_loop_rejected(tmp_path):
+def test_base_loop_rejected(tmp_path, capfd):
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
-    assert_one_line_error(run_cli("run_train.py", "--recipe", str(tmp_path / "a.yaml"), "--dry-run"), "loops")
+    assert_one_line_error(run_main(capfd, "--recipe", str(tmp_path / "a.yaml"), "--dry-run"), "loops")
 
 
-@pytest.mark.parametrize("args,hint", [
+CLI_ERRORS = [
     (["--recipe", "no_such_recipe"], "no recipe file"),
     (["--recipe", "tiny", "--set", "novalue"], "key.path=value"),
     (["--recipe", "tiny", "--set", "model.top_k=3"], "did you mean model.num_experts_per_tok"),
     (["--recipe", "tiny", "--bogus-flag"], "unrecognized arguments"),
-])
-def test_cli_errors_are_one_line(args, hint):
+]
+
+
+@pytest.mark.parametrize("args,hint", CLI_ERRORS)
+def test_cli_errors_are_one_line(args, hint, capfd):
+    assert_one_line_error(run_main(capfd, *args, "--dry-run"), hint)
+
+
+# The real command line: argparse's usage error and a recipe error each leave a fresh interpreter with one line, exit 2.
+@pytest.mark.parametrize("args,hint", [CLI_ERRORS[0], CLI_ERRORS[3]])
+def test_cli_errors_are_one_line_in_a_fresh_process(args, hint):
     assert_one_line_error(run_cli("run_train.py", *args, "--dry-run"), hint)
