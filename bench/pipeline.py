@@ -23,7 +23,7 @@ from parallel.pipeline.placement import (PlacementError, PlacementOptions, balan
                                          planner_units)
 from parallel.pipeline.schedules import ScheduleError, build, validate
 from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
-from telechat_moe.workload import memory_limit, recipe_layout_row, recipe_workload
+from telechat_moe.workload import memory_limit, recipe_layout, recipe_workload
 
 SCHEDULES = ("1f1b", "interleaved", "overlapped")
 
@@ -88,7 +88,7 @@ def placement_report(recipe_path: str, cluster: str) -> list[str]:
 
     recipe = load_recipe(recipe_path)
     w = recipe_workload(recipe, cluster)
-    row = recipe_layout_row(recipe, w)
+    row = recipe_layout(recipe, w)
     limit = memory_limit(recipe, w)
     layout = recipe.layout
     name = "interleaved" if layout.vpp > 1 else "1f1b"

@@ -25,6 +25,7 @@ Run: python -m bench.planner_deepseek_v3
 """
 from __future__ import annotations
 
+from parallel.layout import ParallelLayout
 from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import Precision, Workload
 from parallel.planner.model_shape import ModelShape
@@ -39,8 +40,8 @@ DEEPSEEK_V3 = ModelShape(
     moe_intermediate=2048, shared_intermediate=2048, num_routed_experts=256, num_shared_experts=1, top_k=8,
     mtp_depth=1, seq_length=4096, topk_group=4)
 
-LAYOUT = dict(tp=1, pp=16, vpp=2, dp=128, ep=64, etp=1, mbs=1, m=128, recompute="selective", ep_scheme="node_dedup",
-              ep_overlap=True)
+LAYOUT = ParallelLayout(tp=1, pp=16, vpp=2, dp=128, ep=64, etp=1, micro_batch_size=1, micro_batch_num=128,
+                        recompute="selective", ep_scheme="node_dedup", ep_overlap=True)
 
 
 def predict() -> dict:

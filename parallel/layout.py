@@ -126,6 +126,13 @@ class ParallelLayout:
     sp: bool = False
     micro_batch_num: int = 1
     devices_per_node: int = 8
+    # What the planner chooses beside the degrees (a recipe's from its micro-batching, recompute_config and token
+    # dispatcher): sequences per micro-batch, activation recompute (none | selective | full), the expert
+    # all-to-all's scheme (flat | hierarchical | node_dedup) and whether it overlaps another chunk's compute.
+    micro_batch_size: int = 1
+    recompute: str = "none"
+    ep_scheme: str = "flat"
+    ep_overlap: bool = False
 
     @property
     def world_size(self) -> int:
@@ -144,7 +151,8 @@ class ParallelLayout:
                 Axis.EP: self.ep, Axis.ETP: self.etp, Axis.EDP: self.edp}[axis]
 
     def validate(self, world_size: int | None = None) -> "ParallelLayout":
-        for key in ("dp", "tp", "pp", "vpp", "ep", "etp", "cp", "micro_batch_num", "devices_per_node"):
+        for key in ("dp", "tp", "pp", "vpp", "ep", "etp", "cp", "micro_batch_num", "devices_per_node",
+                    "micro_batch_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(key, "expected a positive integer, got {value!r}", value=value)

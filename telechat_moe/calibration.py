@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from parallel.layout import ParallelLayout
 from parallel.planner.calibrate import fit_runtime, runtime_section, step_prediction
 from parallel.planner.cluster import Cluster, cluster_from_dict
 from parallel.planner.cost_model import Layouts, Precision, Workload
@@ -170,7 +171,8 @@ def probe_workload(recipe: str, overrides: list[str], cluster: Cluster) -> tuple
                  precision=Precision(matmul_dtype="fp32", activation_bytes=4, param_bytes=4, grad_bytes=4),
                  shard_optimizer=False, overlap_grad_reduce=False)
     m = r.parallel_config.micro_batch_num
-    lay = Layouts.single(dp=dp, mbs=r.training.global_batch_size // (dp * m), m=m, recompute=r.recompute_config.mode)
+    lay = Layouts.of(ParallelLayout(dp=dp, micro_batch_num=m, micro_batch_size=r.training.global_batch_size // (dp * m),
+                                    recompute=r.recompute_config.mode))
     return w, lay
 
 

@@ -39,8 +39,8 @@ def read_recipe(path: str):
         raise PlanError(str(e)) from None
 
 
-def parse_layout(text: str, w: Workload, recipe) -> dict:
-    """`tp=8,pp=16,...` into a layout row; dp and m follow from devices and global batch when not given."""
+def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
+    """`tp=8,pp=16,...` into a layout; dp and m follow from devices and global batch when not given."""
     given = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
@@ -73,16 +73,17 @@ def parse_layout(text: str, w: Workload, recipe) -> dict:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise PlanError(f"--evaluate: {key} expects one of {', '.join(allowed)}, got {value!r}")
-    layout = {"tp": tp, "pp": pp, "vpp": ints.get("vpp", 1), "dp": dp, "ep": ints.get("ep", 1),
-              "etp": ints.get("etp", 1), "mbs": mbs, "m": m, "recompute": choices["recompute"][0],
-              "ep_scheme": choices["ep_scheme"][0], "ep_overlap": choices["ep_overlap"][0] in ("1", "true")}
+    layout = ParallelLayout(dp=dp, tp=tp, pp=pp, vpp=ints.get("vpp", 1), ep=ints.get("ep", 1),
+                            etp=ints.get("etp", 1), sp=tp > 1, micro_batch_num=m,
+                            devices_per_node=w.cluster.devices_per_node, micro_batch_size=mbs,
+                            recompute=choices["recompute"][0], ep_scheme=choices["ep_scheme"][0],
+                            ep_overlap=choices["ep_overlap"][0] in ("1", "true"))
     try:
-        ParallelLayout(dp=dp, tp=tp, pp=pp, vpp=layout["vpp"], ep=layout["ep"], etp=layout["etp"], sp=tp > 1,
-                       micro_batch_num=m, devices_per_node=w.cluster.devices_per_node).validate(w.devices)
+        layout.validate(w.devices)
     except LayoutError as e:  # worded in the recipe's keys, as the recipe's own validation words it
         raise PlanError(f"--evaluate: {layout_error_text(e)}") from None
     try:
-        check_model_fit(w.shape, tp, pp, layout["vpp"], layout["ep"], w.cluster.devices_per_node)
+        check_model_fit(w.shape, tp, pp, layout.vpp, layout.ep, w.cluster.devices_per_node)
     except LayoutError as e:
         raise PlanError(f"--evaluate: {e.reason()}") from None
     return layout
@@ -96,8 +97,8 @@ def progress(label: str):
     return report
 
 
-def run_evaluate(w: Workload, layout: dict) -> list[Candidate]:
-    even = evaluate(w, Layouts.single(**layout))
+def run_evaluate(w: Workload, layout: ParallelLayout) -> list[Candidate]:
+    even = evaluate(w, Layouts.of(layout))
     sim = simulate_layout(w, layout, even_assignment(w, layout))
     print(f"layout {layout_text(layout)}")
     print(f"  even split, analytic   : step {even['step_time'][0]:.3f} s, {even['tokens_per_s_per_device'][0]:.1f} "

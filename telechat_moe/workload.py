@@ -1,5 +1,5 @@
 """A recipe as the planner sees it: its model on a device count of a cluster (`recipe_workload`), its own parallel
-layout as the planner's layout row (`recipe_layout_row`), and the device memory a plan must respect
+layout with the planner's choices beside the degrees (`recipe_layout`), and the device memory a plan must respect
 (`memory_limit`). The planner CLI (`python -m telechat_moe.plan`) and bench/pipeline.py both start here.
 """
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from oneline import InputError
+from parallel.layout import ParallelLayout
 from parallel.planner.cluster import Cluster, ClusterError, load_cluster
 from parallel.planner.cost_model import Precision, Workload
 
@@ -47,13 +48,13 @@ def recipe_ep_scheme(recipe) -> str:
     return "hierarchical" if recipe.model.moe_token_dispatcher_type == "hierarchical" else "flat"
 
 
-def recipe_layout_row(recipe, w: Workload) -> dict:
-    """The recipe's own layout as the planner's layout row (a Layouts.row dict), as
-    `python -m telechat_moe.plan --recipe R --cluster C --evaluate ...` scores it."""
+def recipe_layout(recipe, w: Workload) -> ParallelLayout:
+    """The recipe's own layout with what the planner chooses beside the degrees (micro-batch size for the
+    workload's global batch, recompute, EP scheme), as `python -m telechat_moe.plan --recipe R --cluster C
+    --evaluate ...` scores it."""
     lay = recipe.layout
-    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
-            "mbs": w.global_batch // (lay.dp * lay.micro_batch_num), "m": lay.micro_batch_num,
-            "recompute": recipe.recompute_config.mode, "ep_scheme": recipe_ep_scheme(recipe), "ep_overlap": False}
+    return dataclasses.replace(lay, micro_batch_size=w.global_batch // (lay.dp * lay.micro_batch_num),
+                               recompute=recipe.recompute_config.mode, ep_scheme=recipe_ep_scheme(recipe))
 
 
 def memory_limit(recipe, w: Workload) -> float:

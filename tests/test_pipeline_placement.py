@@ -112,7 +112,7 @@ def test_units_are_the_cost_models_blocks(shape_1t):
     an MoE unit carries the cost model's expert all-to-all and TP communication."""
     w, row = shape_1t
     units = planner_units(w, row)
-    lay = Layouts.single(**row)
+    lay = Layouts.of(row)
     b = block_costs(w, lay)
     mode = lay.recompute
     onehot = (np.arange(3)[:, None] == mode[None]).astype(float)
@@ -158,10 +158,10 @@ CLUSTER = "ascend910b"
 
 
 def workload_and_row(recipe, cluster: str):
-    """The planner's workload of the recipe on `cluster` and the recipe's own layout row."""
+    """The planner's workload of the recipe on `cluster` and the recipe's own layout with the planner's choices."""
     workload = pytest.importorskip("telechat_moe.workload")
     w = workload.recipe_workload(recipe, cluster)
-    return w, workload.recipe_layout_row(recipe, w)
+    return w, workload.recipe_layout(recipe, w)
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +174,12 @@ def plan(recipe_path: str, overrides=()) -> tuple[Placement, Placement, list[Uni
     """Balanced and equal-layer placements of the recipe's layout on the cluster, under the recipe's device memory."""
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe(recipe_path, list(overrides))
     w, row = workload_and_row(recipe, CLUSTER)
-    name = "interleaved" if row["vpp"] > 1 else "1f1b"
-    in_flight = validate(build(name, row["pp"], row["vpp"], row["m"])).peak_in_flight_by_chunk
+    name = "interleaved" if row.vpp > 1 else "1f1b"
+    in_flight = validate(build(name, row.pp, row.vpp, row.micro_batch_num)).peak_in_flight_by_chunk
     units = planner_units(w, row)
     limit = pytest.importorskip("telechat_moe.workload").memory_limit(recipe, w)
-    return (balance(units, row["pp"], row["vpp"], PlacementOptions(memory_limit=limit), in_flight),
-            equal_layer_split(units, row["pp"], row["vpp"], in_flight=in_flight), units, limit)
+    return (balance(units, row.pp, row.vpp, PlacementOptions(memory_limit=limit), in_flight),
+            equal_layer_split(units, row.pp, row.vpp, in_flight=in_flight), units, limit)
 
 
 def test_whole_layer_bound_with_72_layers():
@@ -212,7 +212,7 @@ def test_105b_recipe_and_a_binding_memory_limit():
     free, _, units, _ = plan("recipes/1t.yaml")
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe("recipes/1t.yaml")
     w, row = workload_and_row(recipe, CLUSTER)
-    in_flight = validate(build("interleaved", 16, 2, row["m"])).peak_in_flight_by_chunk
+    in_flight = validate(build("interleaved", 16, 2, row.micro_batch_num)).peak_in_flight_by_chunk
     tight = 0.99 * max(free.stage_memory)
     got = balance(units, 16, 2, PlacementOptions(memory_limit=tight), in_flight)
     assert max(got.stage_memory) <= tight * (1 + 1e-9) < max(free.stage_memory)

@@ -28,7 +28,7 @@ def sample():
 def test_vectorised_equals_one_by_one(sample):
     together = evaluate(W, sample)
     for i in range(len(sample)):
-        alone = evaluate(W, Layouts.single(**sample.row(i)))
+        alone = evaluate(W, Layouts.of(sample.row(i)))
         for key in together:
             assert together[key][i] == pytest.approx(alone[key][0], rel=1e-12), key
 
@@ -54,7 +54,7 @@ def test_representative_stages_give_the_slowest_and_fullest_stage(sample):
 @pytest.mark.parametrize("tp, pp, ep, etp", [(1, 1, 1, 1), (2, 4, 8, 1), (8, 4, 4, 2), (4, 8, 16, 2)])
 def test_weights_grads_optimizer_match_the_parameter_counter(tp, pp, ep, etp):
     dp = W.devices // (tp * pp)
-    lay = Layouts.single(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, m=max(pp, 2))
+    lay = Layouts.of(ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, micro_batch_num=max(pp, 2)))
     b = block_costs(W, lay)
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, micro_batch_num=max(pp, 2))
     want = training_memory(TELECHAT3_105B, layout, 4, 4, 8, shard_optimizer=True)["per_stage"]
@@ -67,27 +67,30 @@ def test_weights_grads_optimizer_match_the_parameter_counter(tp, pp, ep, etp):
 @pytest.mark.parametrize("p, v, m", [(2, 1, 5), (4, 1, 4), (4, 1, 9), (4, 2, 4), (4, 2, 12), (8, 3, 16), (3, 4, 9)])
 def test_in_flight_matches_the_schedule(p, v, m):
     peaks = validate(build("interleaved" if v > 1 else "1f1b", p, v, m)).peak_in_flight
-    lay = Layouts.single(pp=p, vpp=v, m=m)
+    lay = Layouts.of(ParallelLayout(pp=p, vpp=v, micro_batch_num=m))
     assert [in_flight(lay, s)[0] * v for s in range(p)] == pytest.approx(list(peaks))
 
 
 @pytest.mark.parametrize("layout", [
-    dict(tp=4, pp=4, vpp=1, dp=16, ep=16, etp=1, mbs=1, m=32, recompute="none", ep_scheme="flat", ep_overlap=False),
-    dict(tp=2, pp=8, vpp=1, dp=16, ep=8, etp=2, mbs=1, m=32, recompute="selective", ep_scheme="flat", ep_overlap=True),
-    dict(tp=8, pp=4, vpp=3, dp=8, ep=64, etp=1, mbs=1, m=64, recompute="full", ep_scheme="hierarchical",
-         ep_overlap=True),
-    dict(tp=4, pp=8, vpp=2, dp=8, ep=32, etp=1, mbs=2, m=32, recompute="selective", ep_scheme="flat",
-         ep_overlap=False),
+    ParallelLayout(tp=4, pp=4, vpp=1, dp=16, ep=16, etp=1, micro_batch_size=1, micro_batch_num=32, recompute="none",
+                   ep_scheme="flat", ep_overlap=False),
+    ParallelLayout(tp=2, pp=8, vpp=1, dp=16, ep=8, etp=2, micro_batch_size=1, micro_batch_num=32,
+                   recompute="selective", ep_scheme="flat", ep_overlap=True),
+    ParallelLayout(tp=8, pp=4, vpp=3, dp=8, ep=64, etp=1, micro_batch_size=1, micro_batch_num=64, recompute="full",
+                   ep_scheme="hierarchical", ep_overlap=True),
+    ParallelLayout(tp=4, pp=8, vpp=2, dp=8, ep=32, etp=1, micro_batch_size=2, micro_batch_num=32,
+                   recompute="selective", ep_scheme="flat", ep_overlap=False),
 ])
 def test_analytic_step_and_memory_close_to_the_simulator(layout):
-    analytic = evaluate(W, Layouts.single(**layout))
+    analytic = evaluate(W, Layouts.of(layout))
     sim = simulate_layout(W, layout)
     assert analytic["step_time"][0] == pytest.approx(sim.step_time, rel=0.08)
     assert analytic["memory"][0] == pytest.approx(max(sim.memory_per_stage), rel=0.15)
 
 
 def test_recompute_trades_memory_for_time():
-    rows = [Layouts.single(tp=4, pp=4, dp=16, ep=16, m=32, recompute=r) for r in ("none", "selective", "full")]
+    rows = [Layouts.of(ParallelLayout(tp=4, pp=4, dp=16, ep=16, micro_batch_num=32, recompute=r))
+            for r in ("none", "selective", "full")]
     results = [evaluate(W, lay) for lay in rows]
     mem = [r["memory"][0] for r in results]
     time = [r["step_time"][0] for r in results]
@@ -96,10 +99,10 @@ def test_recompute_trades_memory_for_time():
 
 
 def test_ep_overlap_never_slower_and_hierarchical_pays_off_only_for_wide_routing():
-    base = dict(tp=1, pp=1, dp=256, ep=32, m=2, mbs=1)
+    base = ParallelLayout(tp=1, pp=1, dp=256, ep=32, micro_batch_num=2, micro_batch_size=1)
     for k in (2, 8):
         w = dataclasses.replace(W, shape=dataclasses.replace(TELECHAT3_105B, top_k=k))
-        flat, hier, overlap = (block_costs(w, Layouts.single(**base, ep_scheme=s, ep_overlap=o)).moe
+        flat, hier, overlap = (block_costs(w, Layouts.of(dataclasses.replace(base, ep_scheme=s, ep_overlap=o))).moe
                                for s, o in (("flat", False), ("hierarchical", False), ("flat", True)))
         assert overlap.fwd_comm[0] <= flat.fwd_comm[0]
         # 32 ranks on 4 nodes: flat sends top_k * 3/4 copies of a token across nodes, hierarchical 3
@@ -107,9 +110,9 @@ def test_ep_overlap_never_slower_and_hierarchical_pays_off_only_for_wide_routing
 
 
 def test_tensor_and_expert_parallelism_shrink_weights():
-    one = evaluate(W, Layouts.single(tp=1, pp=4, dp=64, ep=8, m=8))["memory"][0]
-    tp = evaluate(W, Layouts.single(tp=4, pp=4, dp=16, ep=8, m=8))["memory"][0]
-    ep = evaluate(W, Layouts.single(tp=1, pp=4, dp=64, ep=64, m=8))["memory"][0]
+    one = evaluate(W, Layouts.of(ParallelLayout(tp=1, pp=4, dp=64, ep=8, micro_batch_num=8)))["memory"][0]
+    tp = evaluate(W, Layouts.of(ParallelLayout(tp=4, pp=4, dp=16, ep=8, micro_batch_num=8)))["memory"][0]
+    ep = evaluate(W, Layouts.of(ParallelLayout(tp=1, pp=4, dp=64, ep=64, micro_batch_num=8)))["memory"][0]
     assert tp < one and ep < one
 
 
@@ -119,13 +122,13 @@ def _with_runtime(**runtime) -> Workload:
 
 
 def test_runtime_scales_compute_and_adds_costs_per_step():
-    lay = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=4, mbs=1)
+    lay = Layouts.of(ParallelLayout(tp=1, pp=1, dp=8, ep=8, micro_batch_num=4, micro_batch_size=1))
     base = evaluate(W, lay)["step_time"][0]
     assert evaluate(_with_runtime(step_overhead=0.01), lay)["step_time"][0] == pytest.approx(base + 0.01)
     assert evaluate(_with_runtime(update_scale=2.0), lay)["step_time"][0] > base
     # separate accumulation passes: m + 1 of them with micro-batches, none without
     acc = _with_runtime(accumulate_scale=1.0)
-    one = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=1, mbs=4)
+    one = Layouts.of(ParallelLayout(tp=1, pp=1, dp=8, ep=8, micro_batch_num=1, micro_batch_size=4))
     assert evaluate(acc, one)["step_time"][0] == evaluate(W, one)["step_time"][0]
     extra = evaluate(acc, lay)["step_time"][0] - base
     assert extra > 0 and evaluate(_with_runtime(accumulate_scale=2.0), lay)["step_time"][0] == pytest.approx(
@@ -138,7 +141,7 @@ def test_runtime_scales_compute_and_adds_costs_per_step():
 
 
 def test_processes_sharing_a_hosts_cores_share_its_compute():
-    lay = Layouts.single(tp=1, pp=1, dp=8, ep=8, m=4, mbs=1)
+    lay = Layouts.of(ParallelLayout(tp=1, pp=1, dp=8, ep=8, micro_batch_num=4, micro_batch_size=1))
     alone = _Costing(W, lay).flops
     assert _Costing(_with_runtime(devices_share_cores=True), lay).flops == pytest.approx(
         alone / min(W.devices, W.cluster.devices_per_node))
@@ -150,7 +153,7 @@ def test_a_runtime_that_keeps_every_output_holds_each_graphs_activations():
     graph (two when gradients accumulate, which also hold an accumulation buffer); recompute holds more."""
     keep = _with_runtime(keeps_op_outputs=True, activation_outputs=1.0, recompute_outputs=1.0, weight_outputs=1.0)
     for m in (1, 2):
-        lay = Layouts.single(tp=2, pp=1, dp=8, ep=8, m=m, mbs=1)
+        lay = Layouts.of(ParallelLayout(tp=2, pp=1, dp=8, ep=8, micro_batch_num=m, micro_batch_size=1))
         st = even_stage(W, lay, np.array([0]))
         plain = stage_memory(W, lay, block_costs(W, lay), st)
         held = stage_memory(keep, lay, block_costs(keep, lay), st)
@@ -158,6 +161,6 @@ def test_a_runtime_that_keeps_every_output_holds_each_graphs_activations():
         assert held["grads"][0] == pytest.approx(m * plain["grads"][0])
         assert held["transient"][0] == 0.0
         one_graph = held["activations"][0] if m == 1 else one_graph
-    lay = Layouts.single(tp=2, pp=1, dp=8, ep=8, m=1, mbs=1, recompute="full")
+    lay = Layouts.of(ParallelLayout(tp=2, pp=1, dp=8, ep=8, micro_batch_num=1, micro_batch_size=1, recompute="full"))
     full = stage_memory(keep, lay, block_costs(keep, lay), even_stage(W, lay, np.array([0])))
     assert full["activations"][0] > 1.5 * one_graph  # the recomputed forward's outputs come on top

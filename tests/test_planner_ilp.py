@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import Workload
@@ -15,8 +16,10 @@ from tests.test_planner_model_shape import TELECHAT3_105B
 SMALL = dataclasses.replace(TELECHAT3_105B, num_layers=6, first_k_dense=1)
 W = Workload(SMALL, load_cluster("ascend910b"), devices=64, seq_length=4096, global_batch=64)
 LAYOUTS = [
-    dict(tp=2, pp=3, vpp=1, dp=8, ep=8, etp=1, mbs=1, m=8, recompute="none", ep_scheme="flat", ep_overlap=False),
-    dict(tp=1, pp=2, vpp=2, dp=32, ep=8, etp=1, mbs=1, m=2, recompute="none", ep_scheme="flat", ep_overlap=True),
+    ParallelLayout(tp=2, pp=3, vpp=1, dp=8, ep=8, etp=1, micro_batch_size=1, micro_batch_num=8, recompute="none",
+                   ep_scheme="flat", ep_overlap=False),
+    ParallelLayout(tp=1, pp=2, vpp=2, dp=32, ep=8, etp=1, micro_batch_size=1, micro_batch_num=2, recompute="none",
+                   ep_scheme="flat", ep_overlap=True),
 ]
 
 
@@ -37,8 +40,8 @@ def test_ilp_optimum_equals_brute_force(layout):
 
 def test_ilp_memory_is_the_simulators_and_beats_the_even_split():
     big = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=512, seq_length=4096, global_batch=1024)
-    layout = dict(tp=4, pp=8, vpp=3, dp=16, ep=16, etp=1, mbs=1, m=64, recompute="selective", ep_scheme="flat",
-                  ep_overlap=True)
+    layout = ParallelLayout(tp=4, pp=8, vpp=3, dp=16, ep=16, etp=1, micro_batch_size=1, micro_batch_num=64,
+                            recompute="selective", ep_scheme="flat", ep_overlap=True)
     a = solve_ilp(big, layout, time_limit=5)
     sim = simulate_layout(big, layout, a)
     np.testing.assert_allclose(sim.memory_per_stage, assess(big, layout, [a])["memory"][0], rtol=1e-9)

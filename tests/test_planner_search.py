@@ -6,7 +6,7 @@ import pytest
 
 from parallel.layout import ParallelLayout
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import Workload
+from parallel.planner.cost_model import Layouts, Workload
 from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
 from telechat_moe.recipe import load_recipe
 from tests.test_planner_model_shape import TELECHAT3_105B
@@ -23,17 +23,18 @@ def test_every_layout_exists_and_none_twice():
     w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
     lay, raw = enumerate_layouts(w)
     assert 0 < len(lay) < raw
-    rows = {tuple(sorted(lay.row(i).items())) for i in range(len(lay))}
+    rows = {lay.row(i) for i in range(len(lay))}
     assert len(rows) == len(lay)
     for i in np.random.default_rng(0).choice(len(lay), 300, replace=False):
         r = lay.row(int(i))
-        ParallelLayout(dp=r["dp"], tp=r["tp"], pp=r["pp"], vpp=r["vpp"], ep=r["ep"], etp=r["etp"], sp=r["tp"] > 1,
-                       micro_batch_num=r["m"]).validate(256)
-        assert r["dp"] * r["mbs"] * r["m"] == 512
-        assert TELECHAT3_105B.num_routed_experts % r["ep"] == 0 and TELECHAT3_105B.num_heads % r["tp"] == 0
-        assert TELECHAT3_105B.num_layers >= r["pp"] * r["vpp"]
-        if r["ep"] == 1:
-            assert r["ep_scheme"] == "flat" and not r["ep_overlap"]
+        assert isinstance(r, ParallelLayout) and r.validate(256) is r and r.sp == (r.tp > 1)
+        assert r.devices_per_node == w.cluster.devices_per_node
+        assert r.dp * r.micro_batch_size * r.micro_batch_num == 512
+        assert TELECHAT3_105B.num_routed_experts % r.ep == 0 and TELECHAT3_105B.num_heads % r.tp == 0
+        assert TELECHAT3_105B.num_layers >= r.pp * r.vpp
+        if r.ep == 1:
+            assert r.ep_scheme == "flat" and not r.ep_overlap
+        assert Layouts.of(r).row(0) == r
 
 
 def test_no_layout_for_a_prime_device_count():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from oneline import InputError
+from parallel.layout import ParallelLayout
 from parallel.planner.cost_model import (RECOMPUTE, Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
                                          stage_parts)
 from parallel.pipeline.simulator import StageCosts
@@ -532,10 +533,10 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
 
 
 # ---- units from the planner's cost model ---------------------------------------------------------------------------
-def planner_units(w: Workload, layout: dict, options: PlacementOptions = PlacementOptions(),
+def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions = PlacementOptions(),
                   recompute: tuple[str, ...] = ()) -> list[Unit]:
     """The model as a chain [embedding, dense layers, MoE layers, MTP depths, head] with the cost model's costs for
-    `layout` (a Layouts.row dict): each unit is one block scored alone on a stage (stage_parts, stage_memory).
+    `layout`: each unit is one block scored alone on a stage (stage_parts, stage_memory).
 
     The cost model bills head and MTP together on the last stage; the head is scored on the model without MTP and
     each MTP depth as the difference. MTP on a stage of its own holds its own copy of the head (the head's vocabulary
@@ -543,12 +544,12 @@ def planner_units(w: Workload, layout: dict, options: PlacementOptions = Placeme
     that lookup to the embedding unit) or `mtp_embedding_copy` is off, a copy of the embedding table. Dense, MoE and
     MTP units run the layout's recompute mode and offer each mode of `recompute` as a choice to `balance`.
     """
-    own = layout["recompute"]
+    own = layout.recompute
     modes = tuple(dict.fromkeys((own, *recompute)))
     head_only = dataclasses.replace(w, shape=dataclasses.replace(w.shape, mtp_depth=0))
     rows = [("embedding", None), ("head", None)] + [(name, r) for r in modes for name in ("dense", "moe", "last")]
     n = len(rows)
-    lay = Layouts.single(**layout).take(np.zeros(n, int))
+    lay = Layouts.of(layout).take(np.zeros(n, int))
     by_mode = lambda kind: np.array([[float(name == kind and r == mode) for name, r in rows]  # noqa: E731
                                      for mode in RECOMPUTE])
     plan = StagePlan(stage=np.zeros(n, int), dense_by_mode=by_mode("dense"), moe_by_mode=by_mode("moe"),
@@ -593,6 +594,6 @@ def planner_units(w: Workload, layout: dict, options: PlacementOptions = Placeme
     return units + [unit("head", "head", head)]
 
 
-def placement_p2p(w: Workload, layout: dict) -> float:
+def placement_p2p(w: Workload, layout: ParallelLayout) -> float:
     """Seconds to send one micro-batch's hidden state to the next stage (the simulator's p2p)."""
-    return float(p2p_time(w, Layouts.single(**layout))[0])
+    return float(p2p_time(w, Layouts.of(layout))[0])

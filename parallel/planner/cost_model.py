@@ -33,13 +33,13 @@ activation memory by what such a runtime holds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 
+from parallel.layout import ParallelLayout
 from parallel.planner.cluster import Cluster
-from parallel.planner.model_shape import (ModelShape, attention_params, block_parameters, dense_layers_in,
-                                          flops_per_token)
+from parallel.planner.model_shape import ModelShape, block_parameters, dense_layers_in, flops_per_token
 
 RECOMPUTE = ("none", "selective", "full")
 EP_SCHEMES = ("flat", "hierarchical", "node_dedup")
@@ -70,18 +70,20 @@ class Workload:
 
 @dataclass
 class Layouts:
-    """Candidate layouts as a struct of arrays (one entry per layout). cp is 1; sp is on whenever tp > 1."""
+    """Candidate ParallelLayouts as a struct of arrays (one entry per layout), for the vectorised model: `row(i)`
+    is one as a ParallelLayout, `of(...)` the arrays of given ones. cp is 1; sp is on whenever tp > 1."""
     tp: np.ndarray
     pp: np.ndarray
     vpp: np.ndarray
     dp: np.ndarray
     ep: np.ndarray
     etp: np.ndarray
-    mbs: np.ndarray  # sequences per micro-batch
-    m: np.ndarray  # micro-batches per step
+    mbs: np.ndarray  # sequences per micro-batch (ParallelLayout.micro_batch_size)
+    m: np.ndarray  # micro-batches per step (ParallelLayout.micro_batch_num)
     recompute: np.ndarray  # index into RECOMPUTE
     ep_scheme: np.ndarray  # index into EP_SCHEMES
     ep_overlap: np.ndarray  # 0/1
+    devices_per_node: np.ndarray
 
     def __post_init__(self):
         n = max(np.size(getattr(self, f.name)) for f in fields(self))
@@ -94,19 +96,23 @@ class Layouts:
     def take(self, index) -> "Layouts":
         return Layouts(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
-    def row(self, i: int) -> dict:
-        out = {f.name: int(getattr(self, f.name)[i]) for f in fields(self)}
-        out["recompute"] = RECOMPUTE[out["recompute"]]
-        out["ep_scheme"] = EP_SCHEMES[out["ep_scheme"]]
-        out["ep_overlap"] = bool(out["ep_overlap"])
-        return out
+    def row(self, i: int) -> ParallelLayout:
+        tp = int(self.tp[i])
+        return ParallelLayout(dp=int(self.dp[i]), tp=tp, pp=int(self.pp[i]), vpp=int(self.vpp[i]),
+                              ep=int(self.ep[i]), etp=int(self.etp[i]), sp=tp > 1, micro_batch_num=int(self.m[i]),
+                              devices_per_node=int(self.devices_per_node[i]), micro_batch_size=int(self.mbs[i]),
+                              recompute=RECOMPUTE[self.recompute[i]], ep_scheme=EP_SCHEMES[self.ep_scheme[i]],
+                              ep_overlap=bool(self.ep_overlap[i]))
 
     @classmethod
-    def single(cls, tp=1, pp=1, vpp=1, dp=1, ep=1, etp=1, mbs=1, m=1, recompute="none", ep_scheme="flat",
-               ep_overlap=False) -> "Layouts":
-        return cls(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp, mbs=mbs, m=m,
-                   recompute=RECOMPUTE.index(recompute), ep_scheme=EP_SCHEMES.index(ep_scheme),
-                   ep_overlap=int(ep_overlap))
+    def of(cls, *layouts: ParallelLayout) -> "Layouts":
+        return cls(tp=[x.tp for x in layouts], pp=[x.pp for x in layouts], vpp=[x.vpp for x in layouts],
+                   dp=[x.dp for x in layouts], ep=[x.ep for x in layouts], etp=[x.etp for x in layouts],
+                   mbs=[x.micro_batch_size for x in layouts], m=[x.micro_batch_num for x in layouts],
+                   recompute=[RECOMPUTE.index(x.recompute) for x in layouts],
+                   ep_scheme=[EP_SCHEMES.index(x.ep_scheme) for x in layouts],
+                   ep_overlap=[int(x.ep_overlap) for x in layouts],
+                   devices_per_node=[x.devices_per_node for x in layouts])
 
 
 @dataclass
@@ -538,7 +544,7 @@ def evaluate(w: Workload, lay: Layouts) -> dict[str, np.ndarray]:
     """Score layouts under an even layer split: step time, throughput, MFU, peak memory, bubble."""
     b = block_costs(w, lay)
     pp = lay.pp
-    base, extra = w.shape.num_layers // pp, w.shape.num_layers % pp
+    extra = w.shape.num_layers % pp
     start = (pp - extra) // 2
     reps = [np.zeros_like(pp), np.ones_like(pp), start, start + extra - 1, pp - 2, pp - 1]
     times, mems, updates = [], [], []

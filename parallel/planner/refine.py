@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parallel.layout import ParallelLayout
 from parallel.planner.cost_model import RECOMPUTE, Workload
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
@@ -17,7 +18,7 @@ NEAR_FIT = 1.3  # layouts up to this multiple of the memory limit may still fit 
 
 @dataclass
 class Candidate:
-    layout: dict
+    layout: ParallelLayout
     assignment: StageAssignment
     scores: dict
 
@@ -35,7 +36,7 @@ def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = 
     seen, picked = set(), []
     for i in order:
         row = lay.row(int(i))
-        key = tuple((k, v) for k, v in row.items() if k != "recompute")
+        key = dataclasses.replace(row, recompute="none")
         if key not in seen:
             seen.add(key)
             picked.append(row)
@@ -49,7 +50,7 @@ def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = 
         if a is None:
             continue
         counts = [sum(a.recompute_per_stage(r)) for r in range(len(RECOMPUTE))]
-        row = {**row, "recompute": RECOMPUTE[int(np.argmax(counts))]}
+        row = dataclasses.replace(row, recompute=RECOMPUTE[int(np.argmax(counts))])
         sim = simulate_layout(w, row, a)
         if sim.scores["memory"] > w.cluster.usable_memory:
             continue

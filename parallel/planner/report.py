@@ -8,18 +8,21 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from parallel.layout import ParallelLayout
 from parallel.planner.cost_model import Workload
 from parallel.planner.refine import Candidate
 from parallel.planner.search import SearchResult
 
 GIB = 2 ** 30
-COLUMNS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m")
+# column -> ParallelLayout field
+COLUMNS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "dp": "dp", "ep": "ep", "etp": "etp", "mbs": "micro_batch_size",
+           "m": "micro_batch_num"}
 
 
-def layout_text(layout: dict) -> str:
-    parts = [f"{k}={layout[k]}" for k in COLUMNS]
-    return ",".join(parts + [f"recompute={layout['recompute']}", f"ep_scheme={layout['ep_scheme']}",
-                             f"ep_overlap={int(layout['ep_overlap'])}"])
+def layout_text(layout: ParallelLayout) -> str:
+    parts = [f"{k}={getattr(layout, name)}" for k, name in COLUMNS.items()]
+    return ",".join(parts + [f"recompute={layout.recompute}", f"ep_scheme={layout.ep_scheme}",
+                             f"ep_overlap={int(layout.ep_overlap)}"])
 
 
 def table(candidates: list[Candidate]) -> str:
@@ -28,8 +31,8 @@ def table(candidates: list[Candidate]) -> str:
     lines = [head]
     for i, c in enumerate(candidates, 1):
         lay, sc = c.layout, c.scores
-        lines.append(f"{i:>3} " + " ".join(f"{lay[k]:>4}" for k in COLUMNS)
-                     + f" {lay['recompute']:>9} {lay['ep_scheme']:>12} {int(lay['ep_overlap']):>3}"
+        lines.append(f"{i:>3} " + " ".join(f"{getattr(lay, name):>4}" for name in COLUMNS.values())
+                     + f" {lay.recompute:>9} {lay.ep_scheme:>12} {int(lay.ep_overlap):>3}"
                      f" {sc['step_time']:>8.3f} {sc['tokens_per_s_per_device']:>9.1f} {100 * sc['mfu']:>5.1f}%"
                      f" {sc['memory'] / GIB:>8.1f} {100 * sc['bubble']:>5.1f}%")
     return "\n".join(lines)
@@ -84,11 +87,11 @@ def recipe_overrides(c: Candidate, w: Workload, devices_per_node: int) -> dict:
     lay, a = c.layout, c.assignment
     return {
         "model": {"seq_length": w.seq_length,
-                  "moe_token_dispatcher_type": "hierarchical" if lay["ep_scheme"] == "hierarchical" else "alltoall"},
-        "parallel_config": {"data_parallel": lay["dp"], "model_parallel": lay["tp"], "pipeline_stage": lay["pp"],
-                            "pp_interleave_num": lay["vpp"], "expert_parallel": lay["ep"],
-                            "expert_model_parallel": lay["etp"], "context_parallel": 1,
-                            "micro_batch_num": lay["m"], "use_seq_parallel": lay["tp"] > 1,
+                  "moe_token_dispatcher_type": "hierarchical" if lay.ep_scheme == "hierarchical" else "alltoall"},
+        "parallel_config": {"data_parallel": lay.dp, "model_parallel": lay.tp, "pipeline_stage": lay.pp,
+                            "pp_interleave_num": lay.vpp, "expert_parallel": lay.ep,
+                            "expert_model_parallel": lay.etp, "context_parallel": 1,
+                            "micro_batch_num": lay.micro_batch_num, "use_seq_parallel": lay.tp > 1,
                             "devices_per_node": devices_per_node},
         "recompute_config": {"recompute": sum(a.recompute_per_stage(2)) > 0,
                              "select_recompute": sum(a.recompute_per_stage(1)) > 0},
@@ -109,8 +112,8 @@ def write_recipe(path: str, base_recipe: Path, c: Candidate, w: Workload, comman
         f"# Cluster {w.cluster.name}, {w.devices} devices, seq {w.seq_length}, global batch {w.global_batch}.",
         f"# Predicted: step {sc['step_time']:.3f} s, {sc['tokens_per_s_per_device']:.1f} tokens/s/device, "
         f"MFU {100 * sc['mfu']:.1f}%, peak memory {sc['memory'] / GIB:.1f} GiB, bubble {100 * sc['bubble']:.1f}%.",
-        f"# Micro-batch size {c.layout['mbs']} sequences; EP scheme {c.layout['ep_scheme']}; EP overlap (two chunks "
-        f"on two streams): {'on' if c.layout['ep_overlap'] else 'off'}.",
+        f"# Micro-batch size {c.layout.micro_batch_size} sequences; EP scheme {c.layout.ep_scheme}; EP overlap (two "
+        f"chunks on two streams): {'on' if c.layout.ep_overlap else 'off'}.",
         f"# Per stage (not yet recipe keys): {stage_text(c)}",
     ]
     body = {"base": base, **recipe_overrides(c, w, w.cluster.devices_per_node)}

@@ -63,7 +63,8 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     ok &= (scheme == 0) | (ep * etp > w.cluster.devices_per_node)
     keep = np.flatnonzero(ok)
     lay = Layouts(tp=tp[keep], pp=pp[keep], vpp=vpp[keep], dp=dp[keep], ep=ep[keep], etp=etp[keep],
-                  mbs=mbs[keep], m=m[keep], recompute=rc[keep], ep_scheme=scheme[keep], ep_overlap=overlap[keep])
+                  mbs=mbs[keep], m=m[keep], recompute=rc[keep], ep_scheme=scheme[keep], ep_overlap=overlap[keep],
+                  devices_per_node=np.full(keep.size, w.cluster.devices_per_node))
     return lay, raw
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build
 from parallel.pipeline.simulator import SimResult, StageCosts, simulate
 from parallel.planner.cost_model import (Layouts, Workload, block_costs, p2p_time, stage_memory, stage_parts,
@@ -18,10 +19,10 @@ from parallel.planner.cost_model import (Layouts, Workload, block_costs, p2p_tim
 from parallel.planner.stage_ilp import StageAssignment, chunk_plans, even_assignment, schedule_name
 
 
-def pipeline_costs(w: Workload, layout: dict, a: StageAssignment) -> StageCosts:
+def pipeline_costs(w: Workload, layout: ParallelLayout, a: StageAssignment) -> StageCosts:
     """Per-(stage, chunk) costs of one micro-batch: seconds and activation bytes."""
-    pp, v = layout["pp"], layout["vpp"]
-    lay = Layouts.single(**layout).take(np.zeros(pp * v, int))
+    pp, v = layout.pp, layout.vpp
+    lay = Layouts.of(layout).take(np.zeros(pp * v, int))
     st = chunk_plans(layout, [a])
     b = block_costs(w, lay)
     parts = stage_parts(w, b, st)
@@ -29,7 +30,7 @@ def pipeline_costs(w: Workload, layout: dict, a: StageAssignment) -> StageCosts:
     grid = lambda x: tuple(tuple(float(x[s * v + c]) for c in range(v)) for s in range(pp))  # noqa: E731
     return StageCosts(forward=grid(parts["fwd_compute"]), backward=grid(parts["bwd_compute"]),
                       forward_comm=grid(parts["fwd_comm"]), backward_comm=grid(parts["bwd_comm"]),
-                      activation=grid(act), p2p=float(p2p_time(w, Layouts.single(**layout))[0]))
+                      activation=grid(act), p2p=float(p2p_time(w, Layouts.of(layout))[0]))
 
 
 @dataclass
@@ -40,13 +41,14 @@ class Simulation:
     scores: dict  # the same keys as cost_model.evaluate, for this one layout
 
 
-def simulate_layout(w: Workload, layout: dict, a: StageAssignment | None = None,
+def simulate_layout(w: Workload, layout: ParallelLayout, a: StageAssignment | None = None,
                     schedule: str | None = None) -> Simulation:
     """Step time and per-stage peak memory of one layout from the event-driven simulator."""
     a = a or even_assignment(w, layout)
-    pp, v = layout["pp"], layout["vpp"]
-    sim = simulate(build(schedule or schedule_name(layout), pp, v, layout["m"]), pipeline_costs(w, layout, a))
-    lay = Layouts.single(**layout).take(np.zeros(pp * v, int))
+    pp, v = layout.pp, layout.vpp
+    sim = simulate(build(schedule or schedule_name(layout), pp, v, layout.micro_batch_num),
+                   pipeline_costs(w, layout, a))
+    lay = Layouts.of(layout).take(np.zeros(pp * v, int))
     b = block_costs(w, lay)
     st = chunk_plans(layout, [a])
     mem = stage_memory(w, lay, b, st)
@@ -58,7 +60,7 @@ def simulate_layout(w: Workload, layout: dict, a: StageAssignment | None = None,
     step = sim.step_time + float(update_time(w, lay.take(np.zeros(pp, int)), params, fwd, bwd).max())
     static = per_stage(mem["weights"] + mem["grads"] + mem["optimizer"]) + mem["transient"].reshape(pp, v).max(axis=1)
     memory = [float(x) for x in static + np.array(sim.peak_activation)]
-    scores = summarise(w, Layouts.single(**layout), np.array([step]), np.array([sim.step_time]),
+    scores = summarise(w, Layouts.of(layout), np.array([step]), np.array([sim.step_time]),
                        np.array([float((fwd + bwd).sum())]), np.array([max(memory)]))
     out = {k: float(v[0]) for k, v in scores.items()}
     out["bubble"] = sim.bubble_ratio  # idle share of all stages, from the timeline

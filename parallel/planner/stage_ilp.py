@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from parallel.layout import ParallelLayout
 from parallel.pipeline.placement import PlacementError, PlacementOptions, balance, planner_units
 from parallel.pipeline.schedules import Kind, build
 from parallel.planner.cost_model import (RECOMPUTE, Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
@@ -60,8 +61,8 @@ class StageAssignment:
                 for s, st in enumerate(self.moe_by_mode)]
 
 
-def schedule_name(layout: dict) -> str:
-    return "interleaved" if layout["vpp"] > 1 else "1f1b"
+def schedule_name(layout: ParallelLayout) -> str:
+    return "interleaved" if layout.vpp > 1 else "1f1b"
 
 
 @lru_cache(maxsize=256)
@@ -82,9 +83,9 @@ def held_profiles(pp: int, v: int, m: int, name: str) -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def chunk_plans(layout: dict, assignments: list[StageAssignment]) -> StagePlan:
+def chunk_plans(layout: ParallelLayout, assignments: list[StageAssignment]) -> StagePlan:
     """All chunks of all assignments as one StagePlan, ordered assignment, stage, chunk."""
-    pp, v = layout["pp"], layout["vpp"]
+    pp, v = layout.pp, layout.vpp
     dense, moe, emb, last, mtp, stage = [], [], [], [], [], []
     for a in assignments:
         for s in range(pp):
@@ -99,13 +100,13 @@ def chunk_plans(layout: dict, assignments: list[StageAssignment]) -> StagePlan:
                      embedding=np.array(emb, float), last=np.array(last, float), mtp_mode=np.array(mtp))
 
 
-def assess(w: Workload, layout: dict, assignments: list[StageAssignment],
+def assess(w: Workload, layout: ParallelLayout, assignments: list[StageAssignment],
            schedule: str | None = None) -> dict[str, np.ndarray]:
     """Cost-model scores of many assignments in one pass: 'objective' (pipeline seconds, the ILP's objective),
     'memory' [n, pp] (bytes per stage), 'fwd' / 'bwd' [n, pp] (per-micro-batch stage seconds), 'chunk_time'."""
-    pp, v, m = layout["pp"], layout["vpp"], layout["m"]
+    pp, v, m = layout.pp, layout.vpp, layout.micro_batch_num
     n = len(assignments)
-    lay = Layouts.single(**layout).take(np.zeros(n * pp * v, int))
+    lay = Layouts.of(layout).take(np.zeros(n * pp * v, int))
     st = chunk_plans(layout, assignments)
     b = block_costs(w, lay)
     parts = stage_parts(w, b, st)
@@ -124,12 +125,12 @@ def assess(w: Workload, layout: dict, assignments: list[StageAssignment],
             "bwd": bwd.sum(axis=2), "chunk_time": t}
 
 
-def score_assignment(w: Workload, layout: dict, a: StageAssignment) -> dict:
+def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment) -> dict:
     """The cost model's full score of a layout under an assignment (pipeline, sends, exposed DP, optimizer)."""
     r = assess(w, layout, [a])
-    pp = layout["pp"]
-    one = Layouts.single(**layout)
-    lay, chunks = one.take(np.zeros(pp, int)), one.take(np.zeros(pp * layout["vpp"], int))
+    pp = layout.pp
+    one = Layouts.of(layout)
+    lay, chunks = one.take(np.zeros(pp, int)), one.take(np.zeros(pp * layout.vpp, int))
     st = chunk_plans(layout, [a])
     mem = stage_memory(w, chunks, block_costs(w, chunks), st)
     per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1) for k in ("dense_params", "expert_params")}
@@ -142,14 +143,14 @@ def score_assignment(w: Workload, layout: dict, a: StageAssignment) -> dict:
     return out
 
 
-def even_assignment(w: Workload, layout: dict) -> StageAssignment:
+def even_assignment(w: Workload, layout: ParallelLayout) -> StageAssignment:
     """Even split of layers over stages, then over each stage's chunks (remainder to the middle), with the
     layout's uniform recompute mode; chunk 0 of stage 0 grows to hold the dense layers if it must."""
-    mode = ("none", "selective", "full").index(layout["recompute"])
+    mode = ("none", "selective", "full").index(layout.recompute)
     unit = lambda n: tuple(n if r == mode else 0 for r in range(MODES))  # noqa: E731
-    k, v = w.shape.first_k_dense, layout["vpp"]
+    k, v = w.shape.first_k_dense, layout.vpp
     stages = []
-    for s, n in enumerate(even_layer_split(w.shape.num_layers, layout["pp"])):
+    for s, n in enumerate(even_layer_split(w.shape.num_layers, layout.pp)):
         sizes = even_layer_split(n, v)
         if s == 0 and sizes[0] < k:
             if n < k + v - 1:
@@ -160,13 +161,13 @@ def even_assignment(w: Workload, layout: dict) -> StageAssignment:
     return StageAssignment(unit(k), tuple(stages), mode)
 
 
-def solve_ilp(w: Workload, layout: dict, memory_limit: float | None = None, time_limit: float = 10.0,
+def solve_ilp(w: Workload, layout: ParallelLayout, memory_limit: float | None = None, time_limit: float = 10.0,
               gap: float = 1e-9, schedule: str | None = None) -> StageAssignment | None:
-    """Optimal assignment for `layout` (a Layouts.row dict) under pipeline `schedule` (default 1F1B or
+    """Optimal assignment for `layout` under pipeline `schedule` (default 1F1B or
     interleaved), or None when none fits in memory: the placement MILP with every recompute mode a choice, the
     dense layers with the embedding, even chunks, the step as objective and memory over the schedule's profiles;
     the best found within `time_limit` (seconds), its relative gap in StageAssignment.gap."""
-    pp, v, m = layout["pp"], layout["vpp"], layout["m"]
+    pp, v, m = layout.pp, layout.vpp, layout.micro_batch_num
     options = PlacementOptions(mtp_embedding_copy=False, dense_in_first_segment=True, even_chunks=True, micro_batches=m,
                                memory_limit=w.cluster.usable_memory if memory_limit is None else memory_limit)
     try:
@@ -207,10 +208,10 @@ def _compositions(total: int, parts: int):
         yield tuple(edges[i + 1] - edges[i] - 1 for i in range(parts))
 
 
-def brute_force(w: Workload, layout: dict, memory_limit: float | None = None) -> StageAssignment | None:
+def brute_force(w: Workload, layout: ParallelLayout, memory_limit: float | None = None) -> StageAssignment | None:
     """Every assignment scored by `assess`; for small spaces only (it grows combinatorially)."""
     limit = w.cluster.usable_memory if memory_limit is None else memory_limit
-    pp, v = layout["pp"], layout["vpp"]
+    pp, v = layout.pp, layout.vpp
     k, n_moe = w.shape.first_k_dense, w.shape.num_layers - w.shape.first_k_dense
     candidates = []
     for dense in _compositions(k, MODES):
