@@ -26,6 +26,30 @@ def rank_dir(root: str | Path, rank: int) -> Path:
     return Path(root) / f"rank_{rank}"
 
 
+def preflight(root: str | Path, rank: int, nbytes: int) -> None:
+    """Before training: the rank's checkpoint folder can be created and written, and its filesystem has room for one
+    more checkpoint of `nbytes`; else CheckpointError naming the folder and what is wrong."""
+    d = rank_dir(root, rank)
+    probe = d / f".probe_{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise CheckpointError(f"{d}: checkpoint folder is not writable ({e.strerror or e.__class__.__name__})") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+    free = shutil.disk_usage(d).free
+    if free < nbytes:
+        raise CheckpointError(f"{d}: {free / 2**20:.1f} MiB free on its filesystem, one checkpoint needs "
+                              f"{nbytes / 2**20:.1f} MiB")
+
+
 def list_checkpoints(root: str | Path, rank: int) -> list[Path]:
     d = rank_dir(root, rank)
     if not d.is_dir():
