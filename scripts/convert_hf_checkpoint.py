@@ -4,10 +4,12 @@
     python -m scripts.convert_hf_checkpoint --to-hf CKPT.safetensors HF_OUT_DIR [--recipe R] [--dtype bfloat16]
 
 --to-ours reads HF_DIR/config.json and its safetensors (one file or indexed shards) and writes our parameters in
-float32 with the model config in the file's metadata, plus OUT.model.yaml: the `model:` section for a recipe.
+float32 with the model config (and DeepseekV3's rope_interleave) in the file's metadata, plus OUT.model.yaml: the
+`model:` section for a recipe, whose seq_length is max_position_embeddings (a recipe may train at less).
 --to-hf writes config.json and model.safetensors (sharded past --max-shard-gb); the model config comes from CKPT's
 metadata or, for a training checkpoint, from --recipe. Softmax-routed models become DeepseekV2, sigmoid-routed
-ones DeepseekV3. Bad input: one line on stderr, exit code 2; an existing output is never overwritten without --force.
+ones DeepseekV3 (rope_interleave as the converted checkpoint had it; true for a training checkpoint). Bad input:
+one line on stderr, exit code 2; an existing output is never overwritten without --force.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from telechat_moe.config import ModelConfig
 from telechat_moe.safetensors_io import read_hf_dir, read_safetensors, write_hf_dir, write_safetensors
 
 CONFIG_KEY = "telechat_moe.model_config"
+ROPE_KEY = "telechat_moe.hf_rope_interleave"  # "false": the rope rows are in DeepseekV3's rope_interleave=false order
 PROG = "convert_hf_checkpoint"
 
 
@@ -56,8 +59,14 @@ def to_ours(hf_dir: str, out: str, force: bool) -> None:
     for gap in hfc.semantic_gaps(hf_config):
         print(f"note: {gap}", file=sys.stderr)
     print(f"converting to {cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP ...", flush=True)
-    ours = hfa.hf_to_ours(state, cfg, family, hfc.hf_rope_interleaved(hf_config))
-    write_safetensors(out, ours, {CONFIG_KEY: json.dumps(kwargs, sort_keys=True)}, dtype="float32")
+    interleaved = hfc.hf_rope_interleaved(hf_config)
+    ours = hfa.hf_to_ours(state, cfg, family, interleaved)
+    if cfg.yarn_enabled and cfg.original_max_position_embeddings < cfg.seq_length:
+        print(f"note: model.seq_length={cfg.seq_length} (max_position_embeddings, YaRN x{cfg.rotary_scaling_factor:g} "
+              f"over {cfg.original_max_position_embeddings}): set it lower in a recipe to train at a shorter length",
+              file=sys.stderr)
+    meta = {CONFIG_KEY: json.dumps(kwargs, sort_keys=True), ROPE_KEY: json.dumps(interleaved)}
+    write_safetensors(out, ours, meta, dtype="float32")
     with open(yaml_path, "w") as f:
         yaml.safe_dump({"model": kwargs}, f, sort_keys=False)
     print(f"wrote {len(ours)} parameters to {out} and the model section to {yaml_path}")
@@ -84,11 +93,12 @@ def to_hf(ckpt: str, out_dir: str, recipe: str | None, overrides: list[str], dty
         raise hfa.ConversionError(f"--to-hf CKPT: no such file {ckpt}")
     state, meta = read_safetensors(ckpt)
     cfg = checkpoint_config(meta, recipe, overrides, ckpt)
-    hf_config = hfc.hf_config_from(cfg)
+    interleaved = meta.get(ROPE_KEY) != "false" or cfg.scoring_func != "sigmoid"  # DeepseekV2: always
+    hf_config = hfc.hf_config_from(cfg, interleaved)
     for gap in hfc.semantic_gaps(hf_config):
         print(f"note: {gap}", file=sys.stderr)
     family = hfc.hf_family(hf_config)
-    hf = hfa.ours_to_hf(state, cfg, family)
+    hf = hfa.ours_to_hf(state, cfg, family, interleaved)
     used = {e.ours for e in hfa.entries(cfg, family)}
     skipped = sorted(set(state) - used)
     if skipped:

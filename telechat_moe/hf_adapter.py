@@ -11,11 +11,13 @@ What moves besides names:
   DeepseekV3 with rope_interleave=True de-interleaves them on every call, DeepseekV2 rotates them as complex
   pairs; our MLA applies rotate-half RoPE, so the rows that produce rope channels (per head of q_b_proj/q_proj,
   the rope rows of kv_a_proj_with_mqa) are permuted once, even channels first. q and k get the same permutation,
-  so every q.k score, and with it the model, is unchanged.
+  so every q.k score, and with it the model, is unchanged. A DeepseekV3 with rope_interleave=false already holds
+  them in rotate-half order: copied as they are, and written back so (`rope_interleaved=False` both ways).
 - MTP: DeepSeek-V3 keeps depth d as decoder layer num_hidden_layers + d with enorm, hnorm, eh_proj,
   shared_head.norm and copies of the embedding and output head. Its eh_proj reads [enorm(embedding) |
   hnorm(hidden)] (DeepSeek's, vLLM's and Megatron's MTP), as our MTPBlock does, so it copies over unchanged.
-  transformers' classes do not run MTP; the converter still carries it.
+  transformers' classes do not run MTP and save_pretrained leaves it out while config.json keeps
+  num_nextn_predict_layers: such a checkpoint is refused with that key named (set it to 0 to convert without MTP).
 - The sigmoid router's `e_score_correction_bias` is our `expert_bias`; DeepseekV2 has none (zeros here).
 
 Config keys map in `telechat_moe.hf_config`; checkpoint folders are read and written by
@@ -217,8 +219,10 @@ def hf_to_ours(hf: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3,
     return ours
 
 
-def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3) -> dict[str, np.ndarray]:
-    """Our parameters -> HF state dict (rope channels interleaved, as DeepSeek publishes them)."""
+def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V3,
+               rope_interleaved: bool = True) -> dict[str, np.ndarray]:
+    """Our parameters -> HF state dict (rope channels interleaved, as DeepSeek publishes them, unless
+    rope_interleaved=False: DeepseekV3's rope_interleave=false layout, which is ours)."""
     table = [e for e in entries(cfg, family) if e.move != "tied"]
     missing = sorted({e.ours for e in table} - set(ours))
     if missing:
@@ -232,7 +236,7 @@ def ours_to_hf(ours: Mapping[str, np.ndarray], cfg: ModelConfig, family: str = V
             if cfg.moe_router_enable_expert_bias and np.any(src):
                 raise ConversionError(f"{e.ours}: non-zero expert bias; {ARCHITECTURES[family]} has no such tensor")
             continue
-        if e.move in ("q_rope_rows", "kv_rope_rows"):
+        if e.move in ("q_rope_rows", "kv_rope_rows") and rope_interleaved:
             out = np.empty_like(src)
             out[_rope_rows(cfg, e.move, src.shape[0])] = src
         elif e.move == "expert_gate":
@@ -258,6 +262,12 @@ def _check_names(hf: Mapping[str, np.ndarray], expected: set, cfg: ModelConfig) 
     quantised = sorted(n for n in hf if n.endswith("_scale_inv"))
     if quantised:
         raise ConversionError(f"{quantised[0]}: FP8 block-quantised checkpoint; dequantise it to bfloat16 first")
+    mtp = [f"model.layers.{cfg.num_hidden_layers + d}." for d in range(cfg.num_nextn_predict_layers)]
+    if mtp and not any(n.startswith(tuple(mtp)) for n in hf):
+        raise ConversionError(
+            f"config.json: num_nextn_predict_layers={cfg.num_nextn_predict_layers}, but the checkpoint holds no MTP "
+            f"weights ({mtp[0]}*; transformers does not save them): set num_nextn_predict_layers: 0 in config.json "
+            f"to convert it without MTP")
     unknown = sorted(set(hf) - expected)
     if unknown:
         raise ConversionError(

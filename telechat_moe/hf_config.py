@@ -68,7 +68,9 @@ def config_from_hf(hf: Mapping) -> dict:
     if hf.get("aux_loss_alpha") is not None:
         kw["moe_aux_loss_coeff"] = float(hf["aux_loss_alpha"])
     kw.update(_rope_from_hf(hf.get("rope_scaling"), kw["max_position_embeddings"]))
-    kw["seq_length"] = kw.get("original_max_position_embeddings", kw["max_position_embeddings"])
+    # the longest input transformers' model takes (YaRN's original context only says how the rope tables stretch);
+    # a recipe may train at less (model.seq_length)
+    kw["seq_length"] = kw["max_position_embeddings"]
     if family == V3:
         n_group = int(hf.get("n_group") or 1)
         grouped = n_group > 1  # one group is plain top-k
@@ -102,9 +104,12 @@ def _rope_from_hf(scaling: Mapping | None, max_positions: int) -> dict:
                 mscale=float(scaling.get("mscale") or 0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0))
 
 
-def hf_config_from(cfg: ModelConfig) -> dict:
-    """config.json for transformers: DeepseekV3 for sigmoid routing, DeepseekV2 for softmax routing."""
+def hf_config_from(cfg: ModelConfig, rope_interleave: bool = True) -> dict:
+    """config.json for transformers: DeepseekV3 for sigmoid routing, DeepseekV2 for softmax routing. rope_interleave:
+    whether the rope rows are written as interleaved pairs (DeepseekV2 always reads them so)."""
     family = V3 if cfg.scoring_func == "sigmoid" else V2
+    if family == V2 and not rope_interleave:
+        raise ConversionError("rope_interleave=false: DeepseekV2 always reads interleaved rope channels")
     if not cfg.qk_layernorm:
         raise ConversionError("model.qk_layernorm=False: DeepSeek's MLA always normalises the q and kv latents")
     shared = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts
@@ -133,7 +138,7 @@ def hf_config_from(cfg: ModelConfig) -> dict:
                               "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
                               "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim}
     if family == V3:
-        hf.update(rope_interleave=True, n_group=cfg.n_group or 1, topk_group=cfg.topk_group or 1)
+        hf.update(rope_interleave=rope_interleave, n_group=cfg.n_group or 1, topk_group=cfg.topk_group or 1)
     else:
         grouped = cfg.n_group > 1
         hf.update(topk_method="group_limited_greedy" if grouped else "greedy",

@@ -33,6 +33,8 @@ HF_VARIANTS = {
                                               rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7,
                                                             "mscale_all_dim": 0.7,
                                                             "original_max_position_embeddings": 8})),
+    # rope rows already in rotate-half order: copied both ways, the flag kept
+    "v3_rope_not_interleaved": ("DeepseekV3", dict(BASE, n_group=1, topk_group=1, rope_interleave=False)),
     "v2_grouped": ("DeepseekV2", dict(BASE, topk_method="group_limited_greedy", n_group=2, topk_group=1,
                                       n_shared_experts=1)),
 }
@@ -130,9 +132,9 @@ def test_hf_to_ours_to_hf_is_bitwise(variant):
     if variant == "v3":
         config["num_nextn_predict_layers"] = 1
         state = with_mtp(state, config, np.random.default_rng(1))
-    family = hfc.hf_family(config)
+    family, interleaved = hfc.hf_family(config), hfc.hf_rope_interleaved(config)
     cfg = hfc.model_config(hfc.config_from_hf(config))
-    back = hfa.ours_to_hf(hfa.hf_to_ours(state, cfg, family), cfg, family)
+    back = hfa.ours_to_hf(hfa.hf_to_ours(state, cfg, family, interleaved), cfg, family, interleaved)
     if cfg.tie_word_embeddings:  # state_dict() lists the tied head, save_pretrained and we leave it out
         state.pop("lm_head.weight")
     assert back.keys() == state.keys()
@@ -185,6 +187,40 @@ def test_cli_round_trip_bfloat16_with_mtp_loads_in_transformers(tmp_path):
             assert v.dtype == torch.bfloat16 and torch.equal(v.view(torch.int16), bf16[k].view(torch.int16)), k
     reloaded, info = type(model).from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"]
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_cli_round_trip_keeps_rope_interleave(interleave, tmp_path):
+    """save_pretrained with either rope_interleave -> ours -> HF: the same bits and the same flag (issue 19)."""
+    from safetensors.numpy import load_file
+    model = hf_model("v3")
+    model.config.rope_interleave = interleave
+    model.save_pretrained(str(tmp_path / "hf"))
+    assert run_cli("--to-ours", tmp_path / "hf", tmp_path / "ours.safetensors").returncode == 0
+    r = run_cli("--to-hf", tmp_path / "ours.safetensors", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_interleave"] is interleave
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert back.keys() == state.keys()
+    for name, value in state.items():
+        assert np.array_equal(bits(back[name]), bits(value)), name
+
+
+def test_yarn_model_section_takes_max_position_embeddings(hf_dir, tmp_path):
+    """A YaRN model converted from transformers runs the lengths transformers' does (issue 19: it was built for
+    original_max_position_embeddings only); the note says a recipe may train shorter."""
+    src = broken_copy(hf_dir, tmp_path, lambda c: c.update(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
+    r = run_cli("--to-ours", src, tmp_path / "ours.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert "model.seq_length=32" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    import yaml
+    model = yaml.safe_load((tmp_path / "ours.model.yaml").read_text())["model"]
+    assert model["seq_length"] == model["max_position_embeddings"] == 32
+    assert model["original_max_position_embeddings"] == 8
+    cfg = hfc.model_config(model)
+    cfg.validate()
 
 
 def test_cli_to_hf_from_a_mindspore_training_checkpoint(tmp_path):
@@ -251,6 +287,9 @@ BAD_HF = {
                                                      np.random.default_rng(0)),
                                             **{"model.layers.3.embed_tokens.weight": np.zeros((64, 32), np.float32)}),
                          ["model.layers.3.embed_tokens.weight", "shares"]),
+    # DeepSeek-V3's config.json through transformers' save_pretrained: num_nextn_predict_layers kept, MTP weights not
+    "mtp not saved by transformers": (lambda c: c.update(num_nextn_predict_layers=1), None,
+                                      ["num_nextn_predict_layers: 0", "no MTP weights"]),
 }
 
 
@@ -271,6 +310,9 @@ def test_cli_rejects_bad_arguments_and_keeps_existing_outputs(hf_dir, tmp_path):
     existing.write_bytes(b"precious")
     assert_one_line_error(run_cli("--to-ours", hf_dir, existing), "--force")
     assert existing.read_bytes() == b"precious"
+    no_mtp = broken_copy(hf_dir, tmp_path, lambda c: c.update(num_nextn_predict_layers=1))
+    assert_one_line_error(run_cli("--to-ours", no_mtp, existing, "--force"), "num_nextn_predict_layers: 0")
+    assert existing.read_bytes() == b"precious"  # refused before anything is written, --force or not
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
     assert_one_line_error(run_cli("--to-hf", garbage, tmp_path / "out"), "garbage.safetensors")

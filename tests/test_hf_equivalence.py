@@ -6,6 +6,8 @@ wrong name, transpose, permutation or swapped half shows up as a mismatch. Negat
 comparison notices a wrong bias or an unpermuted RoPE.
 """
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -104,11 +106,11 @@ def scalar(x) -> float:
     return float(x.asnumpy()) if isinstance(x, ms.Tensor) else float(x)
 
 
-def forward_ks(cfg) -> list[int]:
+def forward_ks(cfg, seq: int = SEQ) -> list[int]:
     """Accumulation count of each operator on the way from the embedding to the loss (fp32 everywhere)."""
     q = [cfg.hidden_size, cfg.q_lora_rank, cfg.q_lora_rank] if cfg.q_lora_rank else [cfg.hidden_size]
     attention = [cfg.hidden_size] + q + [cfg.hidden_size, cfg.kv_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim,
-                                         SEQ, SEQ, cfg.num_attention_heads * cfg.v_head_dim]
+                                         seq, seq, cfg.num_attention_heads * cfg.v_head_dim]
     dense = [cfg.hidden_size, cfg.hidden_size, cfg.intermediate_size]
     moe = [cfg.hidden_size, cfg.hidden_size, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
            cfg.num_experts_per_tok]
@@ -116,9 +118,9 @@ def forward_ks(cfg) -> list[int]:
     return [k for layer in layers for k in layer] + [cfg.hidden_size, cfg.hidden_size, cfg.vocab_size]
 
 
-def logits_tolerance(cfg) -> Tolerance:
+def logits_tolerance(cfg, seq: int = SEQ) -> Tolerance:
     """Two independent fp32 implementations: their errors add. Never looser than the issue's requirement."""
-    ks = forward_ks(cfg)
+    ks = forward_ks(cfg, seq)
     derived = chain_tolerance("float32", ks + ks).rtol
     return Tolerance(rtol=min(derived, REQUIRED), atol=min(derived, REQUIRED))
 
@@ -181,6 +183,42 @@ def test_logits_and_loss_match_transformers(case, tokens):
         assert relative_error(run_ours(runner, tokens)[0], hf_logits) > 100 * tol.rtol
         load_ours(net, hfa.hf_to_ours(state, cfg, family, rope_interleaved=False))
         assert relative_error(run_ours(runner, tokens)[0], hf_logits) > 100 * tol.rtol
+
+
+# What issue 19 found through the converter's command line: a YaRN model whose model section stopped at
+# original_max_position_embeddings, and rope_interleave=false rows (which are ours already, copied as they are).
+CLI_CASES = {
+    "v3_q_proj_yarn_full_length": ("v3_q_proj_yarn", {}, COMMON["max_position_embeddings"]),
+    "v3_rope_not_interleaved": ("v3_q_lora_groups", {"rope_interleave": False}, SEQ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_cli_converted_model_matches_transformers(case, tmp_path):
+    """save_pretrained -> `convert_hf_checkpoint --to-ours` -> TeleChatMoE built from OUT.model.yaml: the logits of
+    transformers' model over `seq` tokens (for YaRN, max_position_embeddings, past the original context)."""
+    import yaml
+    from telechat_moe.safetensors_io import read_safetensors
+    base, extra, seq = CLI_CASES[case]
+    arch, kwargs = CASES[base]
+    hf_model = random_hf_model(arch, dict(kwargs, **extra))
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "scripts.convert_hf_checkpoint", "--to-ours", str(tmp_path / "hf"),
+                        str(tmp_path / "ours.safetensors")], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr
+    cfg = hfc.model_config(yaml.safe_load((tmp_path / "ours.model.yaml").read_text())["model"])
+    assert cfg.seq_length == cfg.max_position_embeddings >= seq
+    tokens = np.random.default_rng(11).integers(0, COMMON["vocab_size"], (BATCH, seq + 1)).astype(np.int64)
+    with torch.no_grad():
+        hf_logits = hf_model(input_ids=torch.tensor(tokens[:, :seq])).logits.numpy()
+    net = TeleChatMoE(cfg)
+    load_ours(net, read_safetensors(str(tmp_path / "ours.safetensors"))[0])
+    logits, _, _ = run_ours(LogitsAndLosses(net), tokens)
+    tol = logits_tolerance(cfg, seq)
+    err = relative_error(logits, hf_logits)
+    print(f"\n{case}: {seq} tokens, logits rel err {err:.2e} (tolerance {tol.rtol:.1e})")
+    assert err <= tol.rtol
 
 
 def mtp_reference(hf_model, mtp: dict, tokens: torch.Tensor) -> float:
