@@ -7,10 +7,10 @@ gradients in backward order (reverse of the order they were dumped in), then opt
 tolerance is the chain tolerance of the computation that produced it: the layers upstream of it in the forward,
 and for gradients the whole forward, the loss and the backward from the loss down to their layer; never the
 number of tensors dumped (precision/TOLERANCES.md). The first tensor over its tolerance is reported with its
-layer, operator and the parallel-risk category its error signature points to (precision/signatures.py), then a
-summary table per kind and layer, and a PNG of the per-layer relative error. Exit status: 0 no divergence,
-1 a divergence, 2 runs that cannot be compared (missing tensors, shape mismatches, different models, unreadable
-dumps), with a one-line message.
+layer, operator and the parallel-risk category that its error signature and the two runs' layouts point to
+(precision/signatures.py; "inconclusive" where they do not decide), then a summary table per kind and layer,
+and a PNG of the per-layer relative error. Exit status: 0 no divergence, 1 a divergence, 2 runs that cannot
+be compared (missing tensors, shape mismatches, different models, unreadable dumps), with a one-line message.
 """
 from __future__ import annotations
 

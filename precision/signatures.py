@@ -1,14 +1,21 @@
 """Error signatures: from the first diverging tensor of two runs, infer which parallel risk it points to.
 
-Each signature is a pure NumPy test on the two tensors (and, for data parallelism, the same tensor on other
-ranks); `diagnose` tries them from the most specific to the least and says what it saw:
+Two things decide: the two runs' layouts and the pattern of the difference. A parallel category whose dimension
+is 1 in both runs (`parallel_dims`) is never named, whatever the operator is called. Each signature is a pure
+NumPy test on the two tensors (and, for data parallelism, the same tensor on other ranks); `diagnose` tries them
+from the most specific to the least and says what it saw:
 
-    exact factor      b == alpha * a; alpha matching a degree of either layout names the dimension
-                      (TP degree: TP scaling; micro-batch count: PP accumulation; DP degree: DP averaging)
+    drift             within NUMERIC_FACTOR tolerances and spread over many elements (a concentrated change
+                      of the same size, or one number, is not what rounding does: inconclusive)
     rank disagreement data-parallel replicas hold different gradients: the all-reduce did not run
-    sequence shard    the error sits in one contiguous block of sequence positions: a shard's position offset
-    permutation       the same values in another order: tokens or routing weights in the wrong order (EP)
-    operator          what the operator's name implies, when the numbers alone do not decide
+    exact factor      b == alpha * a on at least FACTOR_ELEMENTS elements that agree on alpha; alpha matching a
+                      degree of either layout names the dimension (TP degree: TP scaling; micro-batch count: PP
+                      accumulation; DP degree: DP averaging), another alpha is a scaling no degree explains
+    sequence shard    the error sits in one contiguous block of sequence positions of a run that shards the
+                      sequence: a shard's position offset
+    permutation       the same values in another order, in a run with expert parallelism (EP)
+    operator          what the operator's name implies, among the dimensions the layouts leave possible
+    inconclusive      everything else: the evidence says what was seen and which dimensions were possible
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ class Risk(str, Enum):
     EP = "EP: routing or combine weights inconsistent"
     SCALE = "scaling by a factor no parallel degree explains"
     NUMERIC = "numerical drift (reduction order, dtype), not a logic fault"
-    UNKNOWN = "unrecognised divergence"
+    INCONCLUSIVE = "inconclusive: neither the layouts nor the pattern of the difference single out a cause"
 
 
 @dataclass(frozen=True)
@@ -38,15 +45,23 @@ class Diagnosis:
     evidence: str
 
 
-# Errors within NUMERIC_FACTOR tolerances are drift, not a broken path. Rounding alone stays under one tolerance
-# unless the accumulation counts it was given understate the sums really done; the error grows like sqrt(K), so
-# 10 tolerances is what rounding gives when the true K is 100 times the declared one (a weight gradient summed
-# over thousands of tokens, dumped with the weight's last dimension as its k). The smallest logic fault, a
-# factor 1/degree with degree >= 2, is a relative error of 0.5: above 10 chain tolerances even in bfloat16.
+# Errors within NUMERIC_FACTOR tolerances can be drift, not a broken path, when they are spread as drift is
+# (DRIFT_ELEMENTS below). Rounding alone stays under one tolerance unless the accumulation counts it was given
+# understate the sums really done; the error grows like sqrt(K), so 10 tolerances is what rounding gives when the
+# true K is 100 times the declared one (a weight gradient summed over thousands of tokens, dumped with the
+# weight's last dimension as its k). The smallest logic fault, a factor 1/degree with degree >= 2, is a relative
+# error of 0.5: above 10 chain tolerances even in bfloat16.
 NUMERIC_FACTOR = 10.0
 # What a signature leaves unexplained (the residual of a factor, the error outside a block, the difference of
 # sorted values) must be drift, bounded as drift is.
 SIGNATURE_FACTOR = NUMERIC_FACTOR
+# Drift changes most elements a little: at least DRIFT_ELEMENTS elements, and DRIFT_SHARE of those not zero in
+# both runs, must carry a difference of at least SPREAD_RATIO times the largest one. One element (or a handful
+# among thousands) moved by the same amount is a change to that element, which rounding does not make.
+DRIFT_ELEMENTS, DRIFT_SHARE, SPREAD_RATIO = 4, 0.01, 0.1
+# b = alpha * a names a factor only when this many elements of a (of at least SPREAD_RATIO times its largest
+# magnitude) agree on it: one pair of numbers fits any factor, and a second agrees with it by chance too easily.
+FACTOR_ELEMENTS = 4
 EP_WORDS = ("moe", "router", "route", "expert", "dispatch", "combine", "permute")
 ROPE_WORDS = ("rope", "rotary", "pos")
 
@@ -123,6 +138,55 @@ def is_permutation(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
         <= SIGNATURE_FACTOR * tol
 
 
+def spread_elements(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+    """(elements whose difference is at least SPREAD_RATIO times the largest difference, elements not zero in
+    both runs): how widely the difference is spread."""
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    diff = np.abs(b64 - a64)
+    live = int(np.count_nonzero((a64 != 0) | (b64 != 0)))
+    top = float(diff.max()) if diff.size else 0.0
+    return (int(np.count_nonzero(diff >= SPREAD_RATIO * top)) if top > 0 else 0), live
+
+
+def looks_like_drift(a: np.ndarray, b: np.ndarray) -> tuple[bool, str]:
+    """Whether the difference is spread as rounding spreads it, and what was seen."""
+    spread, live = spread_elements(a, b)
+    enough = spread >= max(DRIFT_ELEMENTS, DRIFT_SHARE * live)
+    return enough, f"the difference sits in {spread} of {live} nonzero elements (those within " \
+                   f"{1 / SPREAD_RATIO:g}x of its largest)"
+
+
+def factor_elements(a: np.ndarray) -> int:
+    """How many elements of `a` pin a factor b = alpha * a: those of at least SPREAD_RATIO times its largest
+    magnitude (smaller ones agree with any factor to within the tolerance)."""
+    mag = np.abs(a.astype(np.float64)).ravel()
+    return int(np.count_nonzero(mag >= SPREAD_RATIO * mag.max())) if mag.size and mag.max() > 0 else 0
+
+
+def parallel_dims(layouts: Sequence[Mapping]) -> dict[Risk, str]:
+    """The parallel categories that either run's layout makes possible, each with the degrees that do ('tp=2');
+    a category whose dimension is 1 in both runs cannot be the cause. A missing degree is 1."""
+    def degree(layout, key):
+        value = layout.get(key, 1)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 1
+    found: dict[Risk, list[str]] = {}
+    for layout in layouts:
+        for risk, keys in ((Risk.DP, ("dp",)), (Risk.TP, ("tp",)), (Risk.PP, ("pp", "micro_batch_num")),
+                           (Risk.EP, ("ep",)), (Risk.SP, ("cp",))):
+            for key in keys:
+                if degree(layout, key) > 1:
+                    found.setdefault(risk, []).append(f"{key}={degree(layout, key)}")
+        if layout.get("sp") and degree(layout, "tp") > 1:
+            found.setdefault(Risk.SP, []).append(f"sp over tp={degree(layout, 'tp')}")
+    return {risk: ", ".join(dict.fromkeys(texts)) for risk, texts in found.items()}
+
+
+def _possible_text(dims: Mapping[Risk, str]) -> str:
+    if not dims:
+        return "every parallel degree is 1 in both runs, so no parallel dimension can be the cause"
+    return "parallel dimensions of either run: " + "; ".join(f"{r.name} ({t})" for r, t in dims.items())
+
+
 def _has(words: Sequence[str], *texts: str) -> bool:
     return any(w in t.lower() for w in words for t in texts)
 
@@ -130,18 +194,28 @@ def _has(words: Sequence[str], *texts: str) -> bool:
 def diagnose(name: str, kind: str, operator: str, dims: str, a: np.ndarray, b: np.ndarray, tol: float,
              layouts: Sequence[Mapping], forward_clean: bool,
              replicas_b: Mapping[int, np.ndarray] | None = None) -> Diagnosis:
-    """Classify the first tensor over tolerance. `a`, `b`: its values in the two runs; `forward_clean`: every
-    forward tensor and the loss agreed; `replicas_b`: rank -> value of this tensor on run B's other
-    data-parallel ranks."""
+    """Classify the first tensor over tolerance. `a`, `b`: its values in the two runs; `layouts`: the two runs'
+    layouts (precision.dump.layout_meta); `forward_clean`: every forward tensor and the loss agreed;
+    `replicas_b`: rank -> value of this tensor on run B's other data-parallel ranks."""
     err = relative_error(b, a)
     norm_ratio = float(np.linalg.norm(b)) / max(float(np.linalg.norm(a)), np.finfo(np.float64).tiny)
     alpha, residual = best_scale(a, b)
     facts = f"rel err {err:.3g} = {err / tol:.3g} x tolerance; norm ratio B/A {norm_ratio:.4g}"
-    if err <= NUMERIC_FACTOR * tol:
-        return Diagnosis(Risk.NUMERIC, f"{facts}; within {NUMERIC_FACTOR:g} tolerances: reduction order or "
-                                       f"precision, not a missing or wrong parallel step")
+    possible = parallel_dims(layouts)
+    drift, spread_text = looks_like_drift(a, b)
 
-    if kind == "grad" and replicas_b:
+    def inconclusive(seen: str) -> Diagnosis:
+        return Diagnosis(Risk.INCONCLUSIVE, f"{facts}; {seen}; {_possible_text(possible)}")
+
+    if err <= NUMERIC_FACTOR * tol:
+        if drift:
+            return Diagnosis(Risk.NUMERIC, f"{facts}; within {NUMERIC_FACTOR:g} tolerances and spread ("
+                                           f"{spread_text}): reduction order or precision, not a missing or wrong "
+                                           f"parallel step")
+        return inconclusive(f"within {NUMERIC_FACTOR:g} tolerances but concentrated ({spread_text}), which "
+                            f"rounding does not do: look at what produced this tensor")
+
+    if kind == "grad" and replicas_b and Risk.DP in possible:
         others = {r: v for r, v in replicas_b.items() if v.shape == b.shape}
         spread = max((relative_error(v, b) for v in others.values()), default=0.0)
         if spread > NUMERIC_FACTOR * tol:
@@ -154,12 +228,17 @@ def diagnose(name: str, kind: str, operator: str, dims: str, a: np.ndarray, b: n
                                       f"have made equal{tail}")
 
     if residual <= SIGNATURE_FACTOR * tol and abs(alpha - 1.0) > NUMERIC_FACTOR * tol:
+        pinning = factor_elements(a)
         matched = match_degree(a, b, layouts, kind, tol)
+        if pinning < FACTOR_ELEMENTS:
+            equals = f" (equal to {matched[1]})" if matched else ""
+            return inconclusive(f"B/A = {alpha:.6g}{equals}, but only {pinning} element(s) of A pin it: so few "
+                                f"numbers fit any factor (a factor needs {FACTOR_ELEMENTS} agreeing on it)")
         if matched:
-            return Diagnosis(matched[0], f"{facts}; B = {alpha:.6g} x A exactly (residual {residual:.2g}), "
-                                         f"the factor is {matched[1]}")
-        return Diagnosis(Risk.SCALE, f"{facts}; B = {alpha:.6g} x A exactly (residual {residual:.2g}), "
-                                     f"no parallel degree of either run is this factor")
+            return Diagnosis(matched[0], f"{facts}; B = {alpha:.6g} x A exactly on {pinning} elements (residual "
+                                         f"{residual:.2g}), the factor is {matched[1]}")
+        return Diagnosis(Risk.SCALE, f"{facts}; B = {alpha:.6g} x A exactly on {pinning} elements (residual "
+                                     f"{residual:.2g}), no parallel degree of either run is this factor")
 
     block = sequence_block(a, b, dims, tol)
     if block:
@@ -172,20 +251,27 @@ def diagnose(name: str, kind: str, operator: str, dims: str, a: np.ndarray, b: n
             shape_note = ("every vector kept its length (a rotation by a wrong angle)" if rotation
                           else f"exactly whole shards of the {shards} sequence shards" if aligned
                           else "in a rotary-position operator")
-            return Diagnosis(Risk.SP, f"{facts}; the error is confined to sequence positions {first}..{last - 1} "
-                                      f"of {length}, {shape_note}: that shard's positions are offset")
+            where = f"the error is confined to sequence positions {first}..{last - 1} of {length}, {shape_note}"
+            if Risk.SP not in possible:
+                return inconclusive(f"{where}, but neither run shards the sequence")
+            return Diagnosis(Risk.SP, f"{facts}; {where}: that shard's positions are offset")
 
     if is_permutation(a, b, tol):
+        seen = "B holds exactly A's values in another order"
+        if Risk.EP not in possible:
+            return inconclusive(f"{seen}, but neither run has expert parallelism: check what orders this tensor")
         where = "" if _has(EP_WORDS, name, operator) else " (outside a routing operator: check what feeds it)"
-        return Diagnosis(Risk.EP, f"{facts}; B holds exactly A's values in another order: tokens or routing "
-                                  f"weights were applied in the wrong order{where}")
+        return Diagnosis(Risk.EP, f"{facts}; {seen}: tokens or routing weights were applied in the wrong "
+                                  f"order{where}")
 
-    if _has(EP_WORDS, name, operator):
+    if _has(EP_WORDS, name, operator) and Risk.EP in possible:
         return Diagnosis(Risk.EP, f"{facts}; first divergence in a routing/expert operator while everything "
-                                  f"upstream agrees")
-    if _has(ROPE_WORDS, name, operator):
-        return Diagnosis(Risk.SP, f"{facts}; first divergence in a rotary-position operator")
-    if kind == "grad" and forward_clean:
+                                  f"upstream agrees, with {possible[Risk.EP]}")
+    if _has(ROPE_WORDS, name, operator) and Risk.SP in possible:
+        return Diagnosis(Risk.SP, f"{facts}; first divergence in a rotary-position operator, with "
+                                  f"{possible[Risk.SP]}")
+    if kind == "grad" and forward_clean and Risk.DP in possible:
         return Diagnosis(Risk.DP, f"{facts}; forward and loss agree but gradients differ with no common factor "
-                                  f"(B/A = {alpha:.4g} +- {residual:.2g}): gradients were not reduced as in run A")
-    return Diagnosis(Risk.UNKNOWN, facts)
+                                  f"(B/A = {alpha:.4g} +- {residual:.2g}), with {possible[Risk.DP]}: gradients "
+                                  f"were not reduced as in run A")
+    return inconclusive(f"no signature fits ({spread_text}; best factor B/A = {alpha:.4g} +- {residual:.2g})")

@@ -210,6 +210,71 @@ def test_small_drift_is_called_numerical():
     assert diagnosis.risk is Risk.NUMERIC
 
 
+def test_drift_spread_over_the_elements_is_numerical():
+    a = np.random.default_rng(0).standard_normal((4, 8))
+    b = a * (1 + 3e-6 * np.random.default_rng(1).uniform(-1, 1, a.shape))
+    assert diagnose("x", "forward", "matmul", "", a, b, 1e-6, [{}, {}], False).risk is Risk.NUMERIC
+
+
+# ---- faults the classifier once misnamed (issue 19): each gets its category or "inconclusive" ------------------
+def _jitter(name, a, target="layers.1.moe.combine_weights"):
+    """Combine weights off by up to 10%, not in another order and not by one factor."""
+    return a * (1 + 0.1 * np.random.default_rng(7).uniform(-1, 1, a.shape)) if name == target else a
+
+
+def test_a_routing_operator_is_not_ep_when_neither_run_has_expert_parallelism(tmp_path):
+    """Was "EP: routing or combine weights inconsistent" from the operator's name with ep=1 in both runs."""
+    report = _first(tmp_path / "ep1", _jitter)
+    assert report.first.entry.name == "layers.1.moe.combine_weights"
+    assert report.diagnosis.risk is Risk.INCONCLUSIVE, report.diagnosis
+    assert "every parallel degree is 1" in report.diagnosis.evidence
+    # the same values in another order, still without expert parallelism: no EP either
+    rng = np.random.default_rng(3)
+    shuffled = _first(tmp_path / "perm", lambda n, a: rng.permutation(a.ravel()).reshape(a.shape)
+                      if n == "layers.1.moe.combine_weights" else a)
+    assert shuffled.diagnosis.risk is Risk.INCONCLUSIVE and "another order" in shuffled.diagnosis.evidence
+    # with ep=2 in run B the routing operator does point to EP
+    ep2 = _first(tmp_path / "ep2", _jitter, {**META, "layout": {"ep": 2, "dp": 2}})
+    assert ep2.diagnosis.risk is Risk.EP and "ep=2" in ep2.diagnosis.evidence
+
+
+def test_a_concentrated_fault_under_ten_tolerances_is_not_drift():
+    """A norm weight with one element moved by 1e-3, 5 tolerances of a deep float32 gradient: was "numerical
+    drift, not a logic fault". Spread over its elements, the same size is drift."""
+    a = np.random.default_rng(0).uniform(0.5, 1.5, 32)
+    tol = 2e-4
+    faulty = a.copy()
+    faulty[5] += 1e-3 * np.max(np.abs(a))
+    diagnosis = diagnose("norm.weight", "optimizer", "rmsnorm", "h", a, faulty, tol, [{}, {}], True)
+    assert diagnosis.risk is Risk.INCONCLUSIVE and "concentrated" in diagnosis.evidence, diagnosis
+    drift = a * (1 + 1e-3 * np.random.default_rng(1).uniform(-1, 1, a.shape))
+    assert diagnose("norm.weight", "optimizer", "rmsnorm", "h", a, drift, tol, [{}, {}], True).risk is Risk.NUMERIC
+
+
+def test_a_one_element_fault_among_real_drift_is_not_drift(deep_reference, tmp_path):
+    """Real rounding drift (every sum reordered) and one gradient element moved by 1e-3: the fault stays under 10
+    tolerances, and is inconclusive, not drift; the drift alone, over a tightened tolerance, is drift."""
+    faulty = dump(tmp_path / "fault", deep_step(reorder=True, fault=("grad.layers.0.experts.0", 1e-3)), DEEP_META)
+    report = compare_runs(deep_reference, faulty)
+    assert report.first.entry.name == "grad.layers.0.experts.0"
+    assert report.first.max_rel_error < 10 * report.first.rtol
+    assert report.diagnosis.risk is Risk.INCONCLUSIVE, report.diagnosis
+    drift = compare_runs(deep_reference, dump(tmp_path / "drift", deep_step(reorder=True), DEEP_META),
+                         rtol_scale=0.05)
+    assert drift.first.max_rel_error > drift.first.rtol and drift.diagnosis.risk is Risk.NUMERIC, drift.diagnosis
+
+
+def test_one_number_does_not_make_a_factor(tmp_path):
+    """The loss alone differs: was "B = 1.00167 x A exactly", which any two numbers satisfy."""
+    report = _first(tmp_path / "loss", lambda n, a: a * 1.00167 if n == "loss" else a)
+    assert report.first.entry.name == "loss"
+    assert report.diagnosis.risk is Risk.INCONCLUSIVE, report.diagnosis
+    assert "exactly" not in report.diagnosis.evidence and "1 element" in report.diagnosis.evidence
+    # even a ratio equal to a degree of the layout is no evidence when one number carries it
+    halved = _first(tmp_path / "half", lambda n, a: a / 2 if n == "loss" else a, {**META, "layout": {"tp": 2}})
+    assert halved.diagnosis.risk is Risk.INCONCLUSIVE and "1/tp" in halved.diagnosis.evidence
+
+
 # ---- runs that cannot be compared ----------------------------------------------------------------------
 def _expect_rc2(proc, *words):
     assert proc.returncode == 2, proc.stdout + proc.stderr
