@@ -6,9 +6,9 @@ which the HF converter uses) both go through `read_safetensors` / `write_safeten
   foreign file is a one-line `CheckpointError` naming it, never a crash later. NumPy has no bfloat16: BF16
   tensors come back as float32, which is exact (a bfloat16 is the top half of the float32 of the same value).
 - Writing goes to `<path>.partial`, is flushed to disk and then renamed, so `path` is either the old file or the
-  whole new one. Arrays keep their dtype unless a cast is asked for; a cast to bfloat16 rounds to nearest even
-  (exact for values that came from bfloat16). MindSpore's bfloat16 arrays (`Parameter.asnumpy()`) are written as
-  BF16 bit for bit.
+  whole new one; a write that fails (a full disk) removes the `.partial` file and raises its OSError. Arrays keep
+  their dtype unless a cast is asked for; a cast to bfloat16 rounds to nearest even (exact for values that came
+  from bfloat16). MindSpore's bfloat16 arrays (`Parameter.asnumpy()`) are written as BF16 bit for bit.
 """
 from __future__ import annotations
 
@@ -127,14 +127,21 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     blob += b" " * (-len(blob) % 8)
     path = os.fspath(path)
     tmp = path + ".partial"
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.reshape(-1).view(np.uint8).data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for arr in arrays:
+                f.write(arr.reshape(-1).view(np.uint8).data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a size limit, an interrupt: no .partial left behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 # ---- transformers' checkpoint folders -------------------------------------------------------------------------

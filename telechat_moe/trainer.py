@@ -352,7 +352,8 @@ class Trainer:
         if path is None:
             info("[ckpt] --resume: no checkpoint found, starting from step 0", self.main)
             return False
-        state = load_checkpoint(path, self._all_params())
+        from telechat_moe.checkpoint import TRAINER_STATE
+        state = load_checkpoint(path, self._all_params(), TRAINER_STATE)  # a {} or mistyped state: one line
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.scaler.scale = float(state["loss_scale"])

@@ -63,3 +63,29 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path):
     with pytest.raises(CheckpointError, match="complex"):
         write_safetensors(path, {"w": TENSORS["w"], "z": np.zeros(2, np.complex64)})
     assert path.read_bytes() == before
+
+
+WRITE_PAST_SIZE_LIMIT = """
+import errno, resource, signal, sys
+import numpy as np
+from telechat_moe.safetensors_io import write_safetensors
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    write_safetensors(sys.argv[1], {"w": np.ones((64, 64), np.float32)})
+except OSError as e:
+    sys.exit(0 if e.errno == errno.EFBIG else 1)
+sys.exit(1)
+"""
+
+
+def test_a_write_that_fails_midway_keeps_the_previous_file_and_leaves_no_partial(tmp_path):
+    """A full disk or a file-size limit: the OSError reaches the caller, the old file is whole, no .partial stays."""
+    from tests.helpers import run_cli
+    path = tmp_path / "keep.safetensors"
+    write_safetensors(path, TENSORS)
+    before = path.read_bytes()
+    proc = run_cli("-c", WRITE_PAST_SIZE_LIMIT, str(path), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.safetensors"]
