@@ -18,10 +18,9 @@ import os
 import sys
 import time
 
-from oneline import OneLineParser
-from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, equal_layer_split, placement_p2p,
-                                         planner_units)
-from parallel.pipeline.schedules import ScheduleError, build, validate
+from oneline import InputError, OneLineParser
+from parallel.pipeline.placement import PlacementOptions, balance, equal_layer_split, placement_p2p, planner_units
+from parallel.pipeline.schedules import build, validate
 from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
 from telechat_moe.workload import memory_limit, recipe_layout, recipe_workload
 
@@ -88,20 +87,19 @@ def placement_report(recipe_path: str, cluster: str) -> list[str]:
 
     recipe = load_recipe(recipe_path)
     w = recipe_workload(recipe, cluster)
-    row = recipe_layout(recipe, w)
+    layout = recipe_layout(recipe, w)
     limit = memory_limit(recipe, w)
-    layout = recipe.layout
     name = "interleaved" if layout.vpp > 1 else "1f1b"
     sched = build(name, layout.pp, layout.vpp, layout.micro_batch_num)
     in_flight = validate(sched).peak_in_flight_by_chunk
-    p2p = placement_p2p(w, row)
+    p2p = placement_p2p(w, layout)
     gib = 2 ** 30
     lines = [f"placement of {recipe_path} on {cluster} (planner cost model): {layout.describe()}, {name} schedule, "
              f"memory limit {limit / gib:.1f} GiB"]
     for options in (PlacementOptions(memory_limit=limit),
                     PlacementOptions(mtp_apart_from_head=True, memory_limit=limit),
                     PlacementOptions(mtp_apart_from_head=True, mtp_embedding_on_first_stage=True, memory_limit=limit)):
-        units = planner_units(w, row, options)
+        units = planner_units(w, layout, options)
         start = time.perf_counter()
         balanced = balance(units, layout.pp, layout.vpp, options, in_flight)
         solve = time.perf_counter() - start
@@ -142,15 +140,8 @@ def main(argv=None) -> int:
             for path in write_gantts(args.gantt_dir, args.comm_fraction, args.p2p):
                 print(f"wrote {path}")
         if args.recipe:
-            from telechat_moe.recipe import RecipeError
-            from telechat_moe.workload import WorkloadError
-
-            try:
-                print("\n".join(placement_report(args.recipe, args.cluster)))
-            except (RecipeError, WorkloadError) as e:  # its message names the file or the field
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-    except (ScheduleError, PlacementError) as e:
+            print("\n".join(placement_report(args.recipe, args.cluster)))
+    except InputError as e:  # a recipe, cluster, schedule or placement that cannot be used: its message names it
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

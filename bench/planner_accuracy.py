@@ -16,9 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 from oneline import OneLineParser
 from parallel.planner.cluster import load_cluster
 from telechat_moe.calibration import REFERENCE, measure_steps, predict_step

@@ -59,8 +59,8 @@ def main() -> int:
     rows = []
     for name in args.recipes:
         # One process per recipe, so that peak memory is that recipe's own.
-        proc = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--one", name, "--steps", str(args.steps)],
-                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        cmd = [sys.executable, "-m", "bench.train_throughput", "--one", name, "--steps", str(args.steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)

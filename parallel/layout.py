@@ -9,7 +9,7 @@ and only the hierarchical scheme's AllGather crosses nodes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 
 from oneline import InputError
@@ -23,6 +23,18 @@ class Axis(str, Enum):
     EP = "ep"
     ETP = "etp"
     EDP = "edp"  # expert-data-parallel: replicas of one expert shard
+
+
+# MindFormers' parallel_config key of each degree: what recipes and the MindFormers export call them (LayoutError's
+# `reason(MINDFORMERS_KEYS)` words a message in them).
+MINDFORMERS_KEYS = {"dp": "data_parallel", "tp": "model_parallel", "pp": "pipeline_stage", "vpp": "pp_interleave_num",
+                    "ep": "expert_parallel", "etp": "expert_model_parallel", "cp": "context_parallel",
+                    "sp": "use_seq_parallel", "micro_batch_num": "micro_batch_num",
+                    "devices_per_node": "devices_per_node"}
+# What the planner chooses beside the degrees: activation recompute, and the expert all-to-all's scheme.
+RECOMPUTE = ("none", "selective", "full")
+EP_SCHEMES = ("flat", "hierarchical", "node_dedup")
+PLANNER_CHOICES = ("micro_batch_size", "recompute", "ep_scheme", "ep_overlap")
 
 
 class _OwnNames(dict):
@@ -146,6 +158,11 @@ class ParallelLayout:
     def num_nodes(self) -> int:
         return max(1, -(-self.world_size // self.devices_per_node))
 
+    def degrees(self) -> dict:
+        """The layout without what the planner chooses beside it (micro-batch size, recompute, EP scheme): what a
+        run's tensor dumps record of how it was split."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PLANNER_CHOICES}
+
     def degree(self, axis: Axis) -> int:
         return {Axis.DP: self.dp, Axis.TP: self.tp, Axis.PP: self.pp, Axis.CP: self.cp,
                 Axis.EP: self.ep, Axis.ETP: self.etp, Axis.EDP: self.edp}[axis]
@@ -156,6 +173,10 @@ class ParallelLayout:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(key, "expected a positive integer, got {value!r}", value=value)
+        for key, allowed in (("recompute", RECOMPUTE), ("ep_scheme", EP_SCHEMES)):
+            if getattr(self, key) not in allowed:
+                raise LayoutError(key, "expected one of {allowed}, got {value!r}", allowed=", ".join(allowed),
+                                  value=getattr(self, key))
         dp, tp, cp, pp, vpp, ep, etp, m = (self.dp, self.tp, self.cp, self.pp, self.vpp, self.ep, self.etp,
                                            self.micro_batch_num)
         for ok, field, template in (

@@ -90,7 +90,7 @@ def config_hash(config: Any) -> str:
 
 def layout_meta(layout) -> dict:
     """The parallel degrees of a ParallelLayout as plain JSON."""
-    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+    return layout.degrees()
 
 
 def parse_steps(text: str, field_name: str = "dump_steps") -> frozenset[int]:

@@ -38,12 +38,11 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-from oneline import OneLineParser  # noqa: E402
 from data_sched.attention_cost import CostModel, fit_attention_cost, length_moments  # noqa: E402
 from data_sched.errors import DataError  # noqa: E402
+from oneline import OneLineParser  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "corpus.jsonl"
 

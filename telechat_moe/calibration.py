@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from parallel.layout import ParallelLayout
 from parallel.planner.calibrate import fit_runtime, runtime_section, step_prediction
 from parallel.planner.cluster import Cluster, cluster_from_dict
-from parallel.planner.cost_model import Layouts, Precision, Workload
+from parallel.planner.cost_model import Layouts, Workload
 from telechat_moe.recipe import load_recipe
+from telechat_moe.workload import recipe_layout, recipe_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 _SPEC = "CALIBRATION_PROBE_SPEC"  # the worker's arguments: msrun would take --options for its own
@@ -49,14 +49,18 @@ _WORKER = ["-m", "telechat_moe.calibration"]  # this module's __main__: one work
 # Two-layer variants of tiny.yaml and small.yaml (1 dense and 1 MoE layer, MTP 1): each varies what some runtime
 # constants scale. (name, recipe, overrides)
 _TWO_LAYERS = ["model.num_hidden_layers=2", "model.n_routed_experts=8"]
-_SEQ = lambda n: [f"model.seq_length={n}", f"model.max_position_embeddings={n}",  # noqa: E731
-                  f"model.original_max_position_embeddings={n}"]
+
+
+def _seq(n: int) -> list[str]:
+    return [f"model.{key}={n}" for key in ("seq_length", "max_position_embeddings", "original_max_position_embeddings")]
+
+
 PROBES = [("base", "tiny", _TWO_LAYERS),
           ("top1", "tiny", _TWO_LAYERS + ["model.num_experts_per_tok=1"]),
           ("top8", "tiny", _TWO_LAYERS + ["model.num_experts_per_tok=8"]),
           ("experts32", "tiny", _TWO_LAYERS + ["model.n_routed_experts=32"]),
           ("small-2layers", "small", ["model.num_hidden_layers=2"]),
-          ("seq384", "tiny", _TWO_LAYERS + _SEQ(384)),
+          ("seq384", "tiny", _TWO_LAYERS + _seq(384)),
           ("micro2", "tiny", _TWO_LAYERS + ["parallel_config.micro_batch_num=2"]),
           ("recompute", "tiny", _TWO_LAYERS + ["recompute_config.recompute=true"])]
 # the base probe again: its step, measured beside every run, says how fast the machine is then
@@ -165,15 +169,9 @@ def probe_workload(recipe: str, overrides: list[str], cluster: Cluster) -> tuple
     """The trainer's run of this recipe as the planner sees it on `cluster` (each of its data-parallel processes
     is one device; fp32 throughout, no optimizer sharding or overlapped gradient reduction)."""
     r = load_recipe(recipe, overrides)
-    dp = r.parallel_config.data_parallel
-    w = Workload(r.model.to_model_shape(), cluster, devices=dp, seq_length=r.model.seq_length,
-                 global_batch=r.training.global_batch_size,
-                 precision=Precision(matmul_dtype="fp32", activation_bytes=4, param_bytes=4, grad_bytes=4),
-                 shard_optimizer=False, overlap_grad_reduce=False)
-    m = r.parallel_config.micro_batch_num
-    lay = Layouts.of(ParallelLayout(dp=dp, micro_batch_num=m, micro_batch_size=r.training.global_batch_size // (dp * m),
-                                    recompute=r.recompute_config.mode))
-    return w, lay
+    w = dataclasses.replace(recipe_workload(r, cluster, devices=r.parallel_config.data_parallel, dtype="fp32"),
+                            shard_optimizer=False, overlap_grad_reduce=False)
+    return w, Layouts.of(recipe_layout(r, w))
 
 
 def predict_step(recipe: str, overrides: list[str], cluster: Cluster) -> dict:

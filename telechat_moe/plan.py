@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 
 from oneline import InputError, OneLineParser
-from parallel.layout import LayoutError, ParallelLayout, check_model_fit, fills_world, global_batch_splits
-from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Workload, evaluate
+from parallel.layout import EP_SCHEMES, RECOMPUTE, LayoutError, ParallelLayout, check_model_fit, global_batch_splits
+from parallel.planner.cost_model import Layouts, Workload, evaluate
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
 from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_recipe
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import even_assignment, score_assignment, solve_ilp
 from telechat_moe.recipe import RecipeError, find_recipe, layout_error_text, load_recipe
-from telechat_moe.workload import WorkloadError, recipe_ep_scheme, recipe_workload
+from telechat_moe.workload import recipe_ep_scheme, recipe_workload
 
 PROG = "python -m telechat_moe.plan"
 EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
@@ -54,7 +54,7 @@ def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
                 raise PlanError(f"--evaluate: {key} expects a positive integer, got {given[key]!r}")
             ints[key] = int(given[key])
     tp, pp = ints.get("tp", 1), ints.get("pp", 1)
-    if not fills_world(w.devices // (tp * pp), tp, 1, pp, w.devices):
+    if w.devices % (tp * pp):
         raise PlanError(f"--evaluate: tp*pp = {tp * pp} does not divide --devices {w.devices}")
     dp = ints.get("dp", w.devices // (tp * pp))
     mbs = ints.get("mbs", 1)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             command = f"{PROG} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
             write_recipe(args.write, recipe_path, candidates[0], w, command)
             print(f"wrote {args.write}")
-    except (PlanError, WorkloadError, OSError) as e:
+    except (InputError, OSError) as e:
         print(f"telechat_moe.plan: {e}", file=sys.stderr)
         return 2
     return 0

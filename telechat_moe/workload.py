@@ -49,11 +49,12 @@ def recipe_ep_scheme(recipe) -> str:
 
 
 def recipe_layout(recipe, w: Workload) -> ParallelLayout:
-    """The recipe's own layout with what the planner chooses beside the degrees (micro-batch size for the
-    workload's global batch, recompute, EP scheme), as `python -m telechat_moe.plan --recipe R --cluster C
+    """The recipe's own layout on the workload's cluster with what the planner chooses beside the degrees
+    (micro-batch size for the workload's global batch, recompute, EP scheme), as `python -m telechat_moe.plan --recipe R --cluster C
     --evaluate ...` scores it."""
     lay = recipe.layout
-    return dataclasses.replace(lay, micro_batch_size=w.global_batch // (lay.dp * lay.micro_batch_num),
+    return dataclasses.replace(lay, devices_per_node=w.cluster.devices_per_node,
+                               micro_batch_size=w.global_batch // (lay.dp * lay.micro_batch_num),
                                recompute=recipe.recompute_config.mode, ep_scheme=recipe_ep_scheme(recipe))
 
 

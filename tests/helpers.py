@@ -18,10 +18,11 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str 
 
 
 def run_main(capfd, *argv: str) -> subprocess.CompletedProcess:
-    """`python run_train.py ARGV` without a new interpreter: the same `run_train.main(argv)` in this process, its exit
-    code (a returned one or a SystemExit's, as argparse raises) and what it wrote to file descriptors 1 and 2 (so
-    output from C code or from handlers holding the old sys.stderr counts as in a subprocess). Only for runs that end
-    before MindSpore is configured (dry runs, recipe errors); a run that trains or needs a fresh process uses run_cli."""
+    """`python run_train.py ARGV` without a new interpreter: the same `run_train.main(argv)` in this process, its
+    exit code (a returned one or a SystemExit's, as argparse raises) and what it wrote to file descriptors 1 and 2
+    (so output from C code or from handlers holding the old sys.stderr counts as in a subprocess). Only for runs that
+    end before MindSpore is configured (dry runs, recipe errors); a run that trains or needs a fresh process uses
+    run_cli."""
     import run_train
     capfd.readouterr()                       # drop whatever the test printed before
     cwd = os.getcwd()

@@ -4,8 +4,6 @@ config mapping, and the command line's handling of bad input (one line, exit cod
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from telechat_moe import hf_adapter as hfa  # noqa: E402
 from telechat_moe import hf_config as hfc  # noqa: E402
 from telechat_moe.config import ModelConfig  # noqa: E402
 from telechat_moe.safetensors_io import read_hf_dir  # noqa: E402
+from tests.helpers import assert_one_line_error, run_cli  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,16 +69,9 @@ def with_mtp(state: dict, config: dict, rng) -> dict:
     return out
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "scripts.convert_hf_checkpoint", *map(str, args)], capture_output=True, text=True, cwd=ROOT)
-
-
-def assert_one_line_error(result, *fragments):
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+def convert(*args):
+    """The converter's command line, as a user runs it."""
+    return run_cli("-m", "scripts.convert_hf_checkpoint", *map(str, args))
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -169,7 +161,7 @@ def test_cli_round_trip_bfloat16_with_mtp_loads_in_transformers(tmp_path):
     (src / "config.json").write_text(json.dumps(config))
 
     ours = tmp_path / "ours.safetensors"
-    r = run_cli("--to-ours", src, ours)
+    r = convert("--to-ours", src, ours)
     assert r.returncode == 0, r.stderr
     loaded = ms.load_checkpoint(str(ours), format="safetensors")
     cfg = hfc.model_config(hfc.config_from_hf(config))
@@ -177,7 +169,7 @@ def test_cli_round_trip_bfloat16_with_mtp_loads_in_transformers(tmp_path):
     assert (tmp_path / "ours.model.yaml").exists()
 
     out = tmp_path / "back"
-    r = run_cli("--to-hf", ours, out, "--dtype", "bfloat16", "--max-shard-gb", 0.00005)
+    r = convert("--to-hf", ours, out, "--dtype", "bfloat16", "--max-shard-gb", 0.00005)
     assert r.returncode == 0, r.stderr
     written = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert written.keys() == bf16.keys() and len(set(written.values())) > 1
@@ -196,8 +188,8 @@ def test_cli_round_trip_keeps_rope_interleave(interleave, tmp_path):
     model = hf_model("v3")
     model.config.rope_interleave = interleave
     model.save_pretrained(str(tmp_path / "hf"))
-    assert run_cli("--to-ours", tmp_path / "hf", tmp_path / "ours.safetensors").returncode == 0
-    r = run_cli("--to-hf", tmp_path / "ours.safetensors", tmp_path / "back")
+    assert convert("--to-ours", tmp_path / "hf", tmp_path / "ours.safetensors").returncode == 0
+    r = convert("--to-hf", tmp_path / "ours.safetensors", tmp_path / "back")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_interleave"] is interleave
     state = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -212,7 +204,7 @@ def test_yarn_model_section_takes_max_position_embeddings(hf_dir, tmp_path):
     original_max_position_embeddings only); the note says a recipe may train shorter."""
     src = broken_copy(hf_dir, tmp_path, lambda c: c.update(rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
-    r = run_cli("--to-ours", src, tmp_path / "ours.safetensors")
+    r = convert("--to-ours", src, tmp_path / "ours.safetensors")
     assert r.returncode == 0, r.stderr
     assert "model.seq_length=32" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     import yaml
@@ -233,9 +225,9 @@ def test_cli_to_hf_from_a_mindspore_training_checkpoint(tmp_path):
     model = TeleChatMoE(cfg)
     ckpt = tmp_path / "weights.safetensors"
     ms.save_checkpoint(model, str(ckpt), format="safetensors")
-    r = run_cli("--to-hf", ckpt, tmp_path / "hf")
+    r = convert("--to-hf", ckpt, tmp_path / "hf")
     assert_one_line_error(r, "--recipe")
-    r = run_cli("--to-hf", ckpt, tmp_path / "hf", "--recipe", "tiny", *[a for s in sets for a in ("--set", s)])
+    r = convert("--to-hf", ckpt, tmp_path / "hf", "--recipe", "tiny", *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     assert "eps" in r.stderr  # the recipe's rms_norm_eps is not transformers' latent-norm eps: said, not hidden
     params = {p.name: p.asnumpy() for p in model.get_parameters()}
@@ -298,31 +290,31 @@ def test_cli_rejects_bad_hf_checkpoint(case, hf_dir, tmp_path):
     config_change, state_change, fragments = BAD_HF[case]
     src = broken_copy(hf_dir, tmp_path, config_change, state_change)
     out = tmp_path / "ours.safetensors"
-    assert_one_line_error(run_cli("--to-ours", src, out), *fragments)
+    assert_one_line_error(convert("--to-ours", src, out), *fragments)
     assert not out.exists()
 
 
 def test_cli_rejects_bad_arguments_and_keeps_existing_outputs(hf_dir, tmp_path):
-    assert_one_line_error(run_cli(), "--to-ours")
-    assert_one_line_error(run_cli("--to-ours", tmp_path / "nowhere", tmp_path / "o.safetensors"), "config.json")
-    assert_one_line_error(run_cli("--to-ours", hf_dir, tmp_path / "o.ckpt"), ".safetensors")
+    assert_one_line_error(convert(), "--to-ours")
+    assert_one_line_error(convert("--to-ours", tmp_path / "nowhere", tmp_path / "o.safetensors"), "config.json")
+    assert_one_line_error(convert("--to-ours", hf_dir, tmp_path / "o.ckpt"), ".safetensors")
     existing = tmp_path / "keep.safetensors"
     existing.write_bytes(b"precious")
-    assert_one_line_error(run_cli("--to-ours", hf_dir, existing), "--force")
+    assert_one_line_error(convert("--to-ours", hf_dir, existing), "--force")
     assert existing.read_bytes() == b"precious"
     no_mtp = broken_copy(hf_dir, tmp_path, lambda c: c.update(num_nextn_predict_layers=1))
-    assert_one_line_error(run_cli("--to-ours", no_mtp, existing, "--force"), "num_nextn_predict_layers: 0")
+    assert_one_line_error(convert("--to-ours", no_mtp, existing, "--force"), "num_nextn_predict_layers: 0")
     assert existing.read_bytes() == b"precious"  # refused before anything is written, --force or not
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
-    assert_one_line_error(run_cli("--to-hf", garbage, tmp_path / "out"), "garbage.safetensors")
-    assert_one_line_error(run_cli("--to-hf", tmp_path / "absent.safetensors", tmp_path / "out"), "absent")
+    assert_one_line_error(convert("--to-hf", garbage, tmp_path / "out"), "garbage.safetensors")
+    assert_one_line_error(convert("--to-hf", tmp_path / "absent.safetensors", tmp_path / "out"), "absent")
     full = tmp_path / "full"
     full.mkdir()
     (full / "config.json").write_text("{}")
-    assert_one_line_error(run_cli("--to-hf", garbage, full), "--force")
+    assert_one_line_error(convert("--to-hf", garbage, full), "--force")
     assert (full / "config.json").read_text() == "{}"
     ours = tmp_path / "ok.safetensors"
-    assert run_cli("--to-ours", hf_dir, ours).returncode == 0
-    assert_one_line_error(run_cli("--to-hf", ours, tmp_path / "o2", "--dtype", "int8"), "--dtype")
-    assert_one_line_error(run_cli("--to-hf", ours, tmp_path / "o3", "--recipe", "no_such_recipe"), "no_such_recipe")
+    assert convert("--to-ours", hf_dir, ours).returncode == 0
+    assert_one_line_error(convert("--to-hf", ours, tmp_path / "o2", "--dtype", "int8"), "--dtype")
+    assert_one_line_error(convert("--to-hf", ours, tmp_path / "o3", "--recipe", "no_such_recipe"), "no_such_recipe")

@@ -23,9 +23,9 @@ def planned(name: str, options: PlacementOptions = PlacementOptions()):
     shape, layout = recipe.model.to_model_shape(), recipe.layout
     in_flight = validate(build(schedule, layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
     w = workload.recipe_workload(recipe, "ascend910b")
-    row = workload.recipe_layout(recipe, w)
+    priced = workload.recipe_layout(recipe, w)
     options = dataclasses.replace(options, memory_limit=workload.memory_limit(recipe, w))
-    return balance(planner_units(w, row, options), layout.pp, layout.vpp, options, in_flight), schedule, layout, shape
+    return balance(planner_units(w, priced, options), layout.pp, layout.vpp, options, in_flight), schedule, layout, shape
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -175,8 +175,8 @@ def test_binding_names_cells_that_exist_in_our_model():
     shape, layout = recipe.model.to_model_shape(), recipe.layout
     in_flight = validate(build("1f1b", layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
     w = workload.recipe_workload(recipe, "cpu")
-    row = workload.recipe_layout(recipe, w)
-    placement = balance(planner_units(w, row), layout.pp, layout.vpp, PlacementOptions(), in_flight)
+    priced = workload.recipe_layout(recipe, w)
+    placement = balance(planner_units(w, priced), layout.pp, layout.vpp, PlacementOptions(), in_flight)
     cfg = bind(placement, "1f1b", layout.micro_batch_num, layout, names=pipeline_cell_names())
     cells = {name for name, _ in TeleChatMoE(recipe.model).cells_and_names()}
     assert set(cfg.stage_config) <= cells

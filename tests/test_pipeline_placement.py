@@ -97,22 +97,22 @@ def test_mtp_options():
 
 
 def test_mtp_embedding_moves_memory_to_first_stage(shape_1t):
-    w, row = shape_1t
-    own = planner_units(w, row)
-    moved = planner_units(w, row, PlacementOptions(mtp_embedding_on_first_stage=True))
+    w, layout = shape_1t
+    own = planner_units(w, layout)
+    moved = planner_units(w, layout, PlacementOptions(mtp_embedding_on_first_stage=True))
     vocab_mem = own[0].weight_memory
     assert own[-2].weight_memory - moved[-2].weight_memory == pytest.approx(vocab_mem)  # no table copy at MTP
     assert moved[0].forward > own[0].forward  # the second lookup runs on the first stage
-    apart = planner_units(w, row, PlacementOptions(mtp_apart_from_head=True))
+    apart = planner_units(w, layout, PlacementOptions(mtp_apart_from_head=True))
     assert apart[-2].weight_memory - own[-2].weight_memory == pytest.approx(own[-1].weight_memory)  # its own head
 
 
 def test_units_are_the_cost_models_blocks(shape_1t):
     """The chain's units add up to the cost model's whole model (embedding, layers, head and MTP on one stage), and
     an MoE unit carries the cost model's expert all-to-all and TP communication."""
-    w, row = shape_1t
-    units = planner_units(w, row)
-    lay = Layouts.of(row)
+    w, layout = shape_1t
+    units = planner_units(w, layout)
+    lay = Layouts.of(layout)
     b = block_costs(w, lay)
     mode = lay.recompute
     onehot = (np.arange(3)[:, None] == mode[None]).astype(float)
@@ -157,7 +157,7 @@ def test_bad_inputs():
 CLUSTER = "ascend910b"
 
 
-def workload_and_row(recipe, cluster: str):
+def workload_and_layout(recipe, cluster: str):
     """The planner's workload of the recipe on `cluster` and the recipe's own layout with the planner's choices."""
     workload = pytest.importorskip("telechat_moe.workload")
     w = workload.recipe_workload(recipe, cluster)
@@ -167,19 +167,19 @@ def workload_and_row(recipe, cluster: str):
 @pytest.fixture(scope="module")
 def shape_1t():
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe("recipes/1t.yaml")
-    return workload_and_row(recipe, CLUSTER)
+    return workload_and_layout(recipe, CLUSTER)
 
 
 def plan(recipe_path: str, overrides=()) -> tuple[Placement, Placement, list[Unit], float]:
     """Balanced and equal-layer placements of the recipe's layout on the cluster, under the recipe's device memory."""
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe(recipe_path, list(overrides))
-    w, row = workload_and_row(recipe, CLUSTER)
-    name = "interleaved" if row.vpp > 1 else "1f1b"
-    in_flight = validate(build(name, row.pp, row.vpp, row.micro_batch_num)).peak_in_flight_by_chunk
-    units = planner_units(w, row)
+    w, layout = workload_and_layout(recipe, CLUSTER)
+    name = "interleaved" if layout.vpp > 1 else "1f1b"
+    in_flight = validate(build(name, layout.pp, layout.vpp, layout.micro_batch_num)).peak_in_flight_by_chunk
+    units = planner_units(w, layout)
     limit = pytest.importorskip("telechat_moe.workload").memory_limit(recipe, w)
-    return (balance(units, row.pp, row.vpp, PlacementOptions(memory_limit=limit), in_flight),
-            equal_layer_split(units, row.pp, row.vpp, in_flight=in_flight), units, limit)
+    return (balance(units, layout.pp, layout.vpp, PlacementOptions(memory_limit=limit), in_flight),
+            equal_layer_split(units, layout.pp, layout.vpp, in_flight=in_flight), units, limit)
 
 
 def test_whole_layer_bound_with_72_layers():
@@ -211,8 +211,8 @@ def test_105b_recipe_and_a_binding_memory_limit():
     assert max(balanced.stage_memory) <= limit and balanced.slowest_over_mean < naive.slowest_over_mean
     free, _, units, _ = plan("recipes/1t.yaml")
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe("recipes/1t.yaml")
-    w, row = workload_and_row(recipe, CLUSTER)
-    in_flight = validate(build("interleaved", 16, 2, row.micro_batch_num)).peak_in_flight_by_chunk
+    w, layout = workload_and_layout(recipe, CLUSTER)
+    in_flight = validate(build("interleaved", 16, 2, layout.micro_batch_num)).peak_in_flight_by_chunk
     tight = 0.99 * max(free.stage_memory)
     got = balance(units, 16, 2, PlacementOptions(memory_limit=tight), in_flight)
     assert max(got.stage_memory) <= tight * (1 + 1e-9) < max(free.stage_memory)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oneline import InputError
-from parallel.layout import LayoutError, ParallelLayout
+from parallel.layout import MINDFORMERS_KEYS, LayoutError, ParallelLayout
 from parallel.pipeline.placement import Placement
 
 # our schedule -> (pipeline_interleave, pipeline_scheduler); MindSpore allows gpipe only with interleave on
@@ -124,7 +124,8 @@ def _check_layout(placement: Placement, schedule: str, micro_size: int, layout: 
     try:
         layout.validate()
     except LayoutError as e:
-        raise BindingError(str(e)) from None
+        key = MINDFORMERS_KEYS.get(e.field, e.field)
+        raise BindingError(f"parallel_config.{key}: {e.reason(MINDFORMERS_KEYS)}") from None
     for key, plan_value, layout_value in (("pipeline_stage", placement.stages, layout.pp),
                                           ("pp_interleave_num", placement.chunks, layout.vpp),
                                           ("micro_batch_num", micro_size, layout.micro_batch_num)):

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from oneline import InputError
-from parallel.layout import ParallelLayout
-from parallel.planner.cost_model import (RECOMPUTE, Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
+from parallel.layout import RECOMPUTE, ParallelLayout
+from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
                                          stage_parts)
 from parallel.pipeline.simulator import StageCosts
 
@@ -550,8 +550,10 @@ def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions
     rows = [("embedding", None), ("head", None)] + [(name, r) for r in modes for name in ("dense", "moe", "last")]
     n = len(rows)
     lay = Layouts.of(layout).take(np.zeros(n, int))
-    by_mode = lambda kind: np.array([[float(name == kind and r == mode) for name, r in rows]  # noqa: E731
-                                     for mode in RECOMPUTE])
+
+    def by_mode(kind: str) -> np.ndarray:
+        return np.array([[float(name == kind and r == mode) for name, r in rows] for mode in RECOMPUTE])
+
     plan = StagePlan(stage=np.zeros(n, int), dense_by_mode=by_mode("dense"), moe_by_mode=by_mode("moe"),
                      embedding=np.array([float(name == "embedding") for name, _ in rows]),
                      last=np.array([float(name in ("head", "last")) for name, _ in rows]),

@@ -1,7 +1,7 @@
 """The planner's CPU runtime model fitted to measured training steps, and the cluster file of a measured machine.
 
 `fit_runtime` fits the runtime constants (cluster.Runtime) to measured steps by non-negative least squares. Each
-measured step comes with the planner's description of its run (a Workload and a single Layouts row); the planner
+measured step comes with the planner's description of its run (a Workload and its layout as Layouts of one); the planner
 is linear in each group of constants (time: compute, expert-kernel, update and accumulation scales and the cost
 per step; memory: five), so their coefficients come from evaluating it at unit constants: the fit and the planner
 share one formula (`step_prediction`). `cluster_document` writes the rates of `machine.measure()` as a cluster
@@ -54,8 +54,8 @@ def _coefficients(cluster: Cluster, w: Workload, lay: Layouts, key: str, names: 
 
 def fit_runtime(cluster: Cluster, measured: list[dict]) -> tuple[Runtime, list[dict]]:
     """Runtime constants of `cluster` fitted to measured steps: dicts with name, workload (a Workload, evaluated
-    on `cluster`), layouts (a single Layouts row), step_memory and, where timed, step_time at one machine speed;
-    also the fit's prediction per step ({name, step_time, step_memory, predicted})."""
+    on `cluster`), layouts (its layout, as Layouts of one), step_memory and, where timed, step_time at one machine
+    speed; also the fit's prediction per step ({name, step_time, step_memory, predicted})."""
     from scipy.optimize import nnls
 
     fitted = {}

@@ -37,12 +37,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from parallel.layout import ParallelLayout
+from parallel.layout import EP_SCHEMES, RECOMPUTE, ParallelLayout
 from parallel.planner.cluster import Cluster
 from parallel.planner.model_shape import ModelShape, block_parameters, dense_layers_in, flops_per_token
 
-RECOMPUTE = ("none", "selective", "full")
-EP_SCHEMES = ("flat", "hierarchical", "node_dedup")
 FP32 = 4
 
 

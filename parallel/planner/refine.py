@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.layout import ParallelLayout
-from parallel.planner.cost_model import RECOMPUTE, Workload
+from parallel.layout import RECOMPUTE, ParallelLayout
+from parallel.planner.cost_model import Workload
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import StageAssignment, score_assignment, solve_ilp

@@ -82,7 +82,7 @@ def plot(result: SearchResult, candidates: list[Candidate], w: Workload, path: s
     plt.close(fig)
 
 
-def recipe_overrides(c: Candidate, w: Workload, devices_per_node: int) -> dict:
+def recipe_overrides(c: Candidate, w: Workload) -> dict:
     """The recipe sections that the pick changes, in the recipe's own key names."""
     lay, a = c.layout, c.assignment
     return {
@@ -92,7 +92,7 @@ def recipe_overrides(c: Candidate, w: Workload, devices_per_node: int) -> dict:
                             "pp_interleave_num": lay.vpp, "expert_parallel": lay.ep,
                             "expert_model_parallel": lay.etp, "context_parallel": 1,
                             "micro_batch_num": lay.micro_batch_num, "use_seq_parallel": lay.tp > 1,
-                            "devices_per_node": devices_per_node},
+                            "devices_per_node": lay.devices_per_node},
         "recompute_config": {"recompute": sum(a.recompute_per_stage(2)) > 0,
                              "select_recompute": sum(a.recompute_per_stage(1)) > 0},
         "training": {"global_batch_size": w.global_batch},
@@ -116,7 +116,7 @@ def write_recipe(path: str, base_recipe: Path, c: Candidate, w: Workload, comman
         f"chunks on two streams): {'on' if c.layout.ep_overlap else 'off'}.",
         f"# Per stage (not yet recipe keys): {stage_text(c)}",
     ]
-    body = {"base": base, **recipe_overrides(c, w, w.cluster.devices_per_node)}
+    body = {"base": base, **recipe_overrides(c, w)}
     text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
     fd, tmp = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:

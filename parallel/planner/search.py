@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.layout import (experts_fold_over_dense, experts_split, fills_world, global_batch_splits,
-                             heads_split, interleave_fills_stages, interleave_has_stages, layers_fill_chunks,
-                             micro_batches_fill_stages, tp_within_node)
-from parallel.planner.cost_model import EP_SCHEMES, RECOMPUTE, Layouts, Workload, evaluate
+from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, experts_split, fills_world,
+                             global_batch_splits, heads_split, interleave_fills_stages, interleave_has_stages,
+                             layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
+from parallel.planner.cost_model import Layouts, Workload, evaluate
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from parallel.layout import ParallelLayout
+from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.pipeline.placement import PlacementError, PlacementOptions, balance, planner_units
 from parallel.pipeline.schedules import Kind, build
-from parallel.planner.cost_model import (RECOMPUTE, Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
+from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
                                          stage_parts, step_time, summarise, update_time)
 from parallel.planner.model_shape import even_layer_split
 
@@ -146,7 +146,7 @@ def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment) ->
 def even_assignment(w: Workload, layout: ParallelLayout) -> StageAssignment:
     """Even split of layers over stages, then over each stage's chunks (remainder to the middle), with the
     layout's uniform recompute mode; chunk 0 of stage 0 grows to hold the dense layers if it must."""
-    mode = ("none", "selective", "full").index(layout.recompute)
+    mode = RECOMPUTE.index(layout.recompute)
     unit = lambda n: tuple(n if r == mode else 0 for r in range(MODES))  # noqa: E731
     k, v = w.shape.first_k_dense, layout.vpp
     stages = []
