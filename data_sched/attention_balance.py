@@ -8,12 +8,20 @@ micro-batch is mbs consecutive rows of it. Modes:
 - reorder: a permutation of the samples. They are partitioned into dp*mb slots of exactly mbs samples (greedy
            longest-processing-time-first with the size limit, then swaps that lower the heaviest slot), and the
            slots are grouped into ranks of exactly mb slots the same way (this alone balances ranks when mbs = 1).
-- repack:  reorder (with a few swaps only), then re-pack document pieces: the slots whose cost exceeds the mean
-           by more than REFINE_TOLERANCE, together with as many of the coldest slots as absorb their excess, are
-           rebuilt from their pieces (`_pack_slots`: the longest pieces spread whole, the rest filled in with a mix
-           of short and long pieces that levels the slots), kept only if that lowers the worst of them. Every
-           (input, label) token pair is kept exactly once; pieces are cut only where a sample's share of short or
-           long pieces ends (at most two cuts per re-packed sample) or, rarely, where a long piece fits no sample.
+- repack:  reorder's plan, then re-pack document pieces where that helps: the slots whose cost exceeds by more
+           than REPACK_TOLERANCE the least worth aiming at (the mean, a lower bound from the long pieces, the
+           heaviest slot of whole single pieces, which nothing can change), together with as many of the coldest
+           slots as absorb their excess, are rebuilt from their pieces (`_pack_slots`: the longest pieces spread
+           whole, the rest filled in with a mix of short and long pieces that levels the slots). The change is
+           kept only if the batch's heaviest slot falls, its heaviest rank does not rise and the share of tokens
+           that lose their earlier context (`BatchAssignment.context_loss`) is within the cap; otherwise the plan
+           is reorder's exactly, nothing cut. Every (input, label) token pair is kept exactly once; pieces are cut
+           only where a sample's share of short or long pieces ends (at most two cuts per re-packed sample) or,
+           rarely, where a long piece fits no sample.
+
+One cost model per plan: it balances, and it prices the plan's slot costs (`slot_costs_after`, `spread`: against
+the plan's own mean), which the bench reports; the loader plans with the recipe's calibration or the attention
+term alone.
 
 The output gives the pieces (source sample, start, length) of every output sample, gathered on demand for the
 samples a rank takes; each is one document piece, so the output document lengths are the piece lengths. NumPy
@@ -48,25 +56,52 @@ class BatchAssignment:
     micro_batch_num: int
     micro_batch_size: int
     seq_length: int
-    # The pieces are kept as ranges of a table, gathered only for the samples asked for: each rank needs its own
-    # share, and gathering the whole batch would take as long as planning it.
-    table: tuple[np.ndarray, np.ndarray]  # int64 [T] each: (position in the batch's samples laid end to end,
-                                          #   length) of a piece; its sample is position // seq_length
+    # The pieces are kept as ranges of a table, gathered (and placed) only for the samples asked for: each rank
+    # needs its own share, and gathering the whole batch would take as long as planning it. Entries 0..S-1 of
+    # the table are the source's document pieces (source_lengths, sample by sample); entries S.. are repack's
+    # pieces (table: position in the batch's samples laid end to end, and length).
+    source_lengths: np.ndarray            # [S] the batch's document pieces, flat
+    table: tuple[np.ndarray, np.ndarray]  # int64 [T] each; a piece's sample is position // seq_length
+    rows: np.ndarray     # int64 [G]: the source sample output sample j is (-1 where repack rebuilt it)
     firsts: np.ndarray   # int64 [G, r]: output sample j holds the table's pieces firsts[j, i] : firsts[j, i] +
     counts: np.ndarray   #   counts[j, i] for i = 0..r-1, in that order (each one document piece)
     slot_costs_before: np.ndarray  # float64 [dp*mb]; slot s = (rank s // mb, micro-batch s % mb)
-    slot_costs_after: np.ndarray
+    slot_costs_after: np.ndarray   # by `cost_model`, the one cost the plan was made with
+    cost_model: CostModel = CostModel(a=1.0, b=0.0)
+    # Share of the batch's tokens that lose their earlier context: those of output pieces that begin inside a
+    # source document piece (repack's cuts; 0 for off and reorder).
+    context_loss: float = 0.0
 
     @property
     def num_samples(self) -> int:
         return len(self.firsts)
 
+    def spread(self) -> dict[str, float]:
+        """max/mean of the plan's own costs (after repack's cuts): over the micro-batch slots of the whole batch
+        (what a pipeline waits for), over the ranks (what the DP all-reduce waits for), and the mean over ranks
+        of max/mean among a rank's own micro-batches."""
+        slots = self.slot_costs_after
+        per_rank = slots.reshape(self.dp, self.micro_batch_num)
+        ranks = per_rank.sum(axis=1)
+        return {"slot": float(slots.max() / slots.mean()), "rank": float(ranks.max() / ranks.mean()),
+                "within_rank": float(np.mean(per_rank.max(axis=1) / per_rank.mean(axis=1)))}
+
     def pieces(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source sample, start position, length) of every piece of output samples start..stop, in order."""
-        idx = _segment_positions(self.firsts[start:stop].reshape(-1), self.counts[start:stop].reshape(-1))
-        pos = self.table[0][idx]
-        sample = pos // self.seq_length
-        return sample, pos - sample * self.seq_length, self.table[1][idx]
+        counts = self.counts[start:stop]
+        idx = _segment_positions(self.firsts[start:stop].reshape(-1), counts.reshape(-1))
+        n = len(self.source_lengths)
+        own = idx < n
+        length, pos = self.source_lengths[np.minimum(idx, n - 1)], np.zeros(len(idx), dtype=np.int64)
+        if len(self.table[0]):
+            extra = np.maximum(idx - n, 0)
+            length, pos = np.where(own, length, self.table[1][extra]), self.table[0][extra]
+        # A source sample is taken whole and in order: its pieces' starts are the running sum of their lengths.
+        per_sample = counts.sum(axis=1)
+        before = np.cumsum(length) - length
+        begin = before - np.repeat(before[_offsets(per_sample)[:-1]], per_sample)
+        sample = np.where(own, np.repeat(self.rows[start:stop], per_sample), pos // self.seq_length)
+        return sample, np.where(own, begin, pos - sample * self.seq_length), length
 
     @property
     def segments(self) -> np.ndarray:
@@ -80,7 +115,7 @@ class BatchAssignment:
         """off/reorder: the source sample of each output sample."""
         if self.mode == "repack":
             raise ValueError("a repacked batch mixes samples; it has no sample order")
-        return self.table[0][self.firsts[:, 0]] // self.seq_length
+        return self.rows
 
     def rank_costs(self, slot_costs: np.ndarray) -> np.ndarray:
         return slot_costs.reshape(self.dp, self.micro_batch_num).sum(axis=1)
@@ -190,24 +225,37 @@ def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: i
     ys[:, 1:-1] = np.take_along_axis(vals, order, 1)
     keys = ys + shift[:, None]                                 # the same, rows apart, for the search
     keys[:, 0], keys[:, -1] = shift - 1.0, shift + top + 1.0
+    flat_keys, flat_ys = keys.ravel(), ys.ravel()             # views: they follow the row updates
     for _ in range(max_rounds):
         p = int(np.argmax(sums))
-        if sums[p] <= target:
+        top_sum = float(sums[p])
+        if top_sum <= target:
             break
-        x = vals[p]
-        want = np.clip(x[:, None] - (sums[p] - sums) / 2, -0.5, top + 0.5) + shift
-        at = np.searchsorted(keys.ravel(), want)[..., None] - (1, 0)     # [k, parts, 2] flat index in row q
-        d = x[:, None, None] - ys.ravel()[at]
-        new_max = np.maximum(sums[p] - d, sums[:, None] + d)
-        f = int(np.argmin(new_max))
-        if not new_max.flat[f] < sums[p] * (1 - 1e-12):
+        # p's items ascending, so the wanted partners [q, i] ascend row after row: searchsorted runs fastest on
+        # sorted needles. (Plain ufuncs, not np.clip: a round is a few dozen small calls, their overhead counts.)
+        x = ys[p, 1:-1]
+        want = (sums / 2)[:, None] + (x - top_sum / 2)
+        np.minimum(np.maximum(want, -0.5, out=want), top + 0.5, out=want)
+        want += shift[:, None]
+        above = np.searchsorted(flat_keys, want)                  # [parts, k] flat index in row q
+        best = None
+        for at in (above - 1, above):                             # the nearest candidate below and above
+            d = x - flat_ys[at]
+            new_max = np.maximum(top_sum - d, sums[:, None] + d)
+            f = int(np.argmin(new_max))
+            if best is None or new_max.flat[f] < best[0]:
+                best = (float(new_max.flat[f]), f, at, d)
+        value, f, at, d = best
+        if not value < top_sum * (1 - 1e-12):
             break
-        i, q, c = np.unravel_index(f, new_max.shape)
-        j = order[q, at[i, q, c] - q * (k + 2) - 1]
+        q, xi = divmod(f, k)
+        i = order[p, xi]
+        j = order[q, at.flat[f] - q * (k + 2) - 1]
+        moved = float(d.flat[f])
         members[p, i], members[q, j] = members[q, j], members[p, i]
         vals[p, i], vals[q, j] = vals[q, j], vals[p, i]
-        sums[p] -= d[i, q, c]
-        sums[q] += d[i, q, c]
+        sums[p] -= moved
+        sums[q] += moved
         for r in (p, q):
             order[r] = np.argsort(vals[r], kind="stable")
             ys[r, 1:-1] = vals[r, order[r]]
@@ -232,30 +280,39 @@ def balanced_partition(costs: np.ndarray, parts: int, max_swaps: int | None = No
 
 @dataclass(frozen=True)
 class _Source:
-    """The document pieces of the global batch's samples, concatenated: piece i is tokens pos[i]:pos[i] + length[i]
-    of the samples laid end to end; sample j holds pieces offsets[j]:offsets[j+1] and costs sq[j] = sum(l^2)."""
-    pos: np.ndarray
+    """The document pieces of the global batch's samples, concatenated: sample j holds pieces
+    offsets[j]:offsets[j+1] (seq tokens) and costs sq[j] = sum(l^2). Positions are found only for the pieces that
+    need them (`positions`): a running sum over every piece of a heavy-tailed batch is a millisecond."""
     length: np.ndarray
     offsets: np.ndarray
     sq: np.ndarray
+    seq: int
 
     @classmethod
     def of(cls, batch: DocLengths, seq: int) -> "_Source":
         length = batch.lengths.astype(np.int64, copy=False)
         offsets = batch.offsets.astype(np.int64, copy=False)
         counts = np.diff(offsets)
-        ends = np.cumsum(length)
-        sample_ends = ends[offsets[1:] - 1]
-        if counts.min() < 1 or not np.array_equal(sample_ends, np.arange(1, len(counts) + 1) * seq):
-            bad = int(np.argmax((counts < 1) | (np.diff(np.concatenate([[0], sample_ends])) != seq)))
+        sums = np.where(counts > 0, np.add.reduceat(length, np.minimum(offsets[:-1], max(len(length) - 1, 0)))
+                        if len(length) else 0, 0)
+        if counts.min() < 1 or (sums != seq).any():
+            bad = int(np.argmax((counts < 1) | (sums != seq)))
             raise ValueError(f"sample {bad} of the global batch holds {int(np.sum(batch.sample(bad)))} tokens, "
                              f"expected {seq} like the first: samples must be fully packed")
         sq = np.add.reduceat(np.square(length, dtype=np.float64), offsets[:-1])
-        return cls(ends - length, length, offsets, sq)
+        return cls(length, offsets, sq, seq)
 
     def pieces_of(self, samples: np.ndarray) -> np.ndarray:
         """Indices of the pieces of `samples`, sample by sample."""
         return _segment_positions(self.offsets[samples], np.diff(self.offsets)[samples])
+
+    def positions(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, positions in the samples laid end to end) of the pieces of `samples`, sample by sample."""
+        idx = self.pieces_of(samples)
+        length = self.length[idx]
+        counts = np.diff(self.offsets)[samples]
+        before = np.cumsum(length) - length
+        return idx, before + np.repeat(samples * self.seq - before[_offsets(counts)[:-1]], counts)
 
 
 @dataclass(frozen=True)
@@ -268,6 +325,7 @@ class _Layout:
     first: np.ndarray   # int64 [samples, r]
     count: np.ndarray
     sq: np.ndarray      # float64 [samples]
+    lost: int = 0       # tokens of entries that begin inside a source piece: they lose their earlier context
 
 
 @dataclass(frozen=True)
@@ -302,10 +360,10 @@ def _cut(length: np.ndarray, cuts: np.ndarray) -> _Chunks:
     begins = ends - length
     start = np.concatenate([[0], cuts])
     stop = np.append(cuts, ends[-1] if n else 0)
-    # The piece each chunk begins in; a last entry past the stream stands for no piece.
+    # The piece each chunk begins in; n (past the stream) stands for no piece.
     piece = np.searchsorted(ends, start, side="right")
-    beyond = np.iinfo(np.int64).max
-    inside = (np.append(begins, beyond)[piece] < start) & (start < np.append(ends, beyond)[piece])
+    clipped = np.minimum(piece, max(n - 1, 0))
+    inside = (piece < n) & (begins[clipped] < start) & (start < ends[clipped]) if n else np.zeros(len(start), bool)
     cut = np.flatnonzero(inside)
     first_cut = cut[np.diff(piece[cut], prepend=-1) != 0]
     head = length.copy()
@@ -424,8 +482,9 @@ def _coarse_share(need: np.ndarray, room: np.ndarray, fine: float, coarse: float
     return out
 
 
-def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int) -> _Layout:
-    """Re-pack the source pieces `pieces` into `slots` slots of mbs samples of seq tokens, balancing sum(l^2).
+def _pack_slots(src: _Source, pieces: np.ndarray, pos: np.ndarray, slots: int, mbs: int, seq: int) -> _Layout:
+    """Re-pack the source pieces `pieces` (at positions `pos`) into `slots` slots of mbs samples of seq tokens,
+    balancing sum(l^2).
 
     The longest pieces (at most BIG_PER_SLOT per slot, all longer than the average density) are spread largest
     first over the slots and packed whole into samples. The other pieces (sand) fill each sample's remaining room,
@@ -488,7 +547,6 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
     fine_chunk = np.empty(samples, dtype=np.int64)
     fine_chunk[f_order] = np.arange(samples)
     coarse_chunk = samples + np.arange(samples)
-    pos = src.pos[pieces]
     b_count = np.bincount(placed[:, 1], minlength=samples)
     heads, conts = len(placed), len(placed) + len(stream)       # the table: big parts, heads, continuations
     first = [_offsets(b_count)[:-1]]
@@ -502,37 +560,84 @@ def _pack_slots(src: _Source, pieces: np.ndarray, slots: int, mbs: int, seq: int
     return _Layout(np.concatenate([pos[big[placed[:, 0]]] + placed[:, 2], pos[stream],
                                    pos[stream[chunks.cont_piece]] + chunks.cont_offset]),
                    np.concatenate([placed[:, 3], chunks.head, chunks.cont_length]),
-                   np.stack(first, axis=1), np.stack(count, axis=1), sq)
+                   np.stack(first, axis=1), np.stack(count, axis=1), sq,
+                   int(placed[placed[:, 2] > 0, 3].sum() + chunks.cont_length.sum()))
 
 
-def _repack(src: _Source, order: np.ndarray, slots: int, mbs: int, seq: int, fixed_sq: float):
-    """Re-pack the slots of `order` (samples, slot by slot) whose cost is above the mean by more than
-    REPACK_TOLERANCE (and that are not whole single pieces), together with the coldest slots that can absorb
-    their excess, where that lowers the worst of them. `fixed_sq` is a slot's cost besides attention, in units of
-    squared tokens. Returns (the re-packed samples' layout, re-packed slots, sample sums of squares of the output)
-    or None when nothing is gained."""
+@dataclass(frozen=True)
+class _Repacked:
+    layout: _Layout            # the re-packed samples of `pool_slots`, slot by slot
+    pool_slots: np.ndarray
+    sample_sq: np.ndarray      # sum(l^2) of every layout sample of the batch, slot by slot
+    rank_slots: np.ndarray     # [dp, mb] slots of each rank
+
+
+def _group_ranks(slot_sq: np.ndarray, dp: int) -> np.ndarray:
+    """Slots [dp, mb] of each rank, balancing their sums. Swaps capped at a quarter of the ranks: where many ranks
+    tie for the heaviest (slot costs in two bands after repack) each swap lowers it by hundredths of a percent."""
+    return balanced_partition(slot_sq, dp, max(8, dp // 4))
+
+
+def _repack_level(src: _Source, slot_sq: np.ndarray, whole: np.ndarray, mbs: int, seq: int) -> float:
+    """The least largest slot sum(l^2) worth aiming at: the mean, a lower bound from the long pieces
+    (`repack_bound` of the pieces over seq/16, without the short fill: only the long ones need looking at), and the
+    heaviest slot that re-packing cannot change."""
+    long = src.length[src.length > seq // 16]
+    bound = 0.0
+    if len(long):
+        bound = max(repack_bound(long, len(slot_sq), mbs, seq, fill=False), float(long.max()) ** 2)
+    return max(float(slot_sq.mean()), bound, float(slot_sq[whole].max(initial=0.0)))
+
+
+def _repack(src: _Source, order: np.ndarray, rank_slots: np.ndarray, mbs: int, seq: int, fixed_sq: float,
+            max_context_loss: float) -> _Repacked | None:
+    """Re-pack the slots of `order` (samples, slot by slot; `rank_slots` their reorder grouping) whose cost is
+    above the level worth aiming at (`_repack_level`) by more than REPACK_TOLERANCE and that are not whole single
+    pieces, together with the coldest slots that can absorb their excess. `fixed_sq` is a slot's cost besides
+    attention, in units of squared tokens. Kept only if the batch's largest slot falls, the largest rank does not
+    rise and the share of tokens that lose their earlier context is at most `max_context_loss`; None otherwise
+    (then nothing is cut)."""
+    dp = rank_slots.shape[0]
+    slots = len(order) // mbs
     sample_sq = src.sq[order]
     slot_sq = sample_sq.reshape(slots, mbs).sum(axis=1)
-    mean = slot_sq.mean()
     # A slot whose every sample is one whole piece cannot change: re-packing never cuts such a piece.
     whole = np.diff(src.offsets)[order].reshape(slots, mbs).max(axis=1) == 1
-    hot = (slot_sq > mean + REPACK_TOLERANCE * (mean + fixed_sq)) & ~whole
+    level = _repack_level(src, slot_sq, whole, mbs, seq)
+    hot = (slot_sq > level + REPACK_TOLERANCE * (level + fixed_sq)) & ~whole
     if not hot.any():
         return None
+    # As many of the coldest slots as take the hot slots' excess over the mean: the fine sand they bring is
+    # what levels the hot ones.
     by_cost = np.argsort(slot_sq, kind="stable")
+    mean = slot_sq.mean()
     excess = float(np.sum(slot_sq[hot] - mean))
     cold = int(np.searchsorted(np.cumsum(mean - slot_sq[by_cost]), excess)) + 1
     pool = hot.copy()
     pool[by_cost[:cold]] = True
     pool_slots = np.flatnonzero(pool)
     samples = order.reshape(slots, mbs)[pool_slots].reshape(-1)
-    layout = _pack_slots(src, src.pieces_of(samples), len(pool_slots), mbs, seq)
-    pool_sq = layout.sq
-    if pool_sq.reshape(-1, mbs).sum(axis=1).max() >= slot_sq[pool_slots].max():
+    layout = _pack_slots(src, *src.positions(samples), len(pool_slots), mbs, seq)
+    if layout.sq.reshape(-1, mbs).sum(axis=1).max() >= slot_sq.max() * (1 - 1e-12):
+        return None
+    if layout.lost > max_context_loss * len(order) * seq:
         return None
     sample_sq = sample_sq.copy()
-    sample_sq.reshape(slots, mbs)[pool_slots] = pool_sq.reshape(-1, mbs)
-    return layout, pool_slots, sample_sq
+    sample_sq.reshape(slots, mbs)[pool_slots] = layout.sq.reshape(-1, mbs)
+    new_slot_sq = sample_sq.reshape(slots, mbs).sum(axis=1)
+    # Ranks: reorder's grouping where its heaviest rank is still within REFINE_TOLERANCE of the mean rank (cost
+    # with the fixed part), else regrouped if that is lighter; never heavier than reorder's heaviest rank.
+    per_rank_fixed = fixed_sq * (slots // dp)
+    limit = float(slot_sq[rank_slots].sum(axis=1).max()) * (1 + 1e-12)
+    worst = float(new_slot_sq[rank_slots].sum(axis=1).max())
+    if worst + per_rank_fixed > (1 + REFINE_TOLERANCE) * (new_slot_sq.sum() / dp + per_rank_fixed):
+        regrouped = _group_ranks(new_slot_sq, dp)
+        lighter = float(new_slot_sq[regrouped].sum(axis=1).max())
+        if lighter < worst:
+            rank_slots, worst = regrouped, lighter
+    if worst > limit:
+        return None
+    return _Repacked(layout, pool_slots, sample_sq, rank_slots)
 
 
 def check_balance_mode(mode: str) -> None:
@@ -541,13 +646,24 @@ def check_balance_mode(mode: str) -> None:
         raise DataError(f"data.attention_balance: expected {', '.join(MODES[:-1])} or {MODES[-1]}, got {mode!r}")
 
 
+def check_context_loss(share: float) -> None:
+    """The one check of `data.max_context_loss` (the recipe, the loader and `balance_global_batch` call it)."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise DataError(f"data.max_context_loss: expected a number in [0, 1], got {share!r}")
+
+
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mode: str, dp: int,
-                         micro_batch_num: int, cost_model: CostModel, seed: int) -> BatchAssignment:
+                         micro_batch_num: int, cost_model: CostModel, seed: int,
+                         max_context_loss: float = 1.0) -> BatchAssignment:
     """Assign the G samples of one global batch (given by their document lengths) to (rank, micro-batch) slots.
 
     Pure and deterministic for (inputs, seed): every rank computes the same assignment and takes its share.
+    `cost_model` is the one cost of the plan: it balances and it prices the plan's slot costs. repack cuts
+    documents only where that lowers the batch's largest slot without raising the largest rank, and only while at
+    most `max_context_loss` of the batch's tokens lose their earlier context; otherwise its plan is reorder's.
     """
     check_balance_mode(mode)
+    check_context_loss(max_context_loss)
     batch = DocLengths.of(samples_doc_lens)
     g = len(batch)
     slots = dp * micro_batch_num
@@ -560,27 +676,29 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mo
     fixed = cost_model.b * seq + cost_model.c
     before = (cost_model.a * src.sq + fixed).reshape(slots, mbs).sum(axis=1)
     order = np.arange(g)
+    sample_sq = src.sq
     repacked = None
-    if mode != "off":
-        order = balanced_partition(src.sq, slots).reshape(-1)
-        if mode == "repack" and cost_model.a > 0:
-            repacked = _repack(src, order, slots, mbs, seq, mbs * fixed / cost_model.a)
-    sample_sq = src.sq[order] if repacked is None else repacked[2]
     slot_order = np.arange(slots)
     if mode != "off":
-        # Ranks: swaps capped at a quarter of them. Where many ranks tie for the heaviest (slot costs in two
-        # bands after repack) each swap lowers it by hundredths of a percent; a quarter brings it within 1%.
-        rank_slots = balanced_partition(sample_sq.reshape(slots, mbs).sum(axis=1), dp, max(8, dp // 4))  # [dp, mb]
+        order = balanced_partition(src.sq, slots).reshape(-1)
+        sample_sq = src.sq[order]
+        rank_slots = _group_ranks(sample_sq.reshape(slots, mbs).sum(axis=1), dp)
+        if mode == "repack" and cost_model.a > 0:
+            repacked = _repack(src, order, rank_slots, mbs, seq, mbs * fixed / cost_model.a, max_context_loss)
+            if repacked is not None:
+                sample_sq, rank_slots = repacked.sample_sq, repacked.rank_slots
         rng = np.random.default_rng([seed, 0xBA1])
         slot_order = rng.permuted(rank_slots[rng.permutation(dp)], axis=1).reshape(-1)
     out_samples = (slot_order[:, None] * mbs + np.arange(mbs)).reshape(-1)    # output sample -> layout sample
-    columns = (src.pos, src.length)
+    table = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    rows = order.copy()
     firsts = src.offsets[order][:, None]
     counts = np.diff(src.offsets)[order][:, None]
+    lost = 0
     if repacked is not None:
         # The table: source pieces, then the re-packed layout's; a re-packed sample takes its ranges from the
         # layout instead of the source.
-        layout, pool_slots, _ = repacked
+        layout, pool_slots = repacked.layout, repacked.pool_slots
         pool_samples = (pool_slots[:, None] * mbs + np.arange(mbs)).reshape(-1)
         empty = np.zeros((g, layout.first.shape[1]), dtype=np.int64)
         firsts = np.concatenate([firsts, empty], axis=1)
@@ -588,10 +706,12 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mo
         counts[pool_samples, 0] = 0
         firsts[pool_samples, 1:] = len(src.length) + layout.first
         counts[pool_samples, 1:] = layout.count
-        columns = (np.concatenate([src.pos, layout.pos]), np.concatenate([src.length, layout.length]))
+        rows[pool_samples] = -1
+        table = (layout.pos, layout.length)
+        lost = layout.lost
     after = (cost_model.a * sample_sq[out_samples] + fixed).reshape(slots, mbs).sum(axis=1)
-    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, columns, firsts[out_samples],
-                           counts[out_samples], before, after)
+    return BatchAssignment(mode, dp, micro_batch_num, mbs, seq, src.length, table, rows[out_samples],
+                           firsts[out_samples], counts[out_samples], before, after, cost_model, lost / (g * seq))
 
 
 def _fill(ascending: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -604,7 +724,7 @@ def _fill(ascending: np.ndarray, room: np.ndarray) -> np.ndarray:
     return csq[whole] + (room - csum[whole]) ** 2
 
 
-def repack_bound(lengths: np.ndarray, slots: int, mbs: int, seq: int) -> float:
+def repack_bound(lengths: np.ndarray, slots: int, mbs: int, seq: int, fill: bool = True) -> float:
     """A lower bound on the largest slot's sum of squared piece lengths when the longest pieces stay whole (but
     for a cut at a slot's margin). The largest of:
     - the mean slot;
@@ -615,9 +735,10 @@ def repack_bound(lengths: np.ndarray, slots: int, mbs: int, seq: int) -> float:
       of them plus the shortest pieces;
     - pieces longer than half a sample need a sample each, so a slot holds at most mbs of them: `partition_bound`
       of those, padded with empty places to mbs per slot.
+    Valid for any set of the longest pieces too, with fill=False (the rest of a slot's room then counts 0).
     """
     desc = np.sort(np.asarray(lengths, dtype=np.float64))[::-1]
-    asc = desc[::-1]
+    asc = desc[::-1] if fill else np.zeros(1)
     cap = float(mbs * seq)
     csq = np.concatenate([[0.0], np.cumsum(desc ** 2)])
     csum = np.concatenate([[0.0], np.cumsum(desc)])

@@ -7,6 +7,8 @@ shares. The position is (epoch, index of the next global batch): restoring it co
 With attention balancing on, every rank computes the same assignment of the global batch to (rank, micro-batch)
 slots (`balance_global_batch`, pure and seeded by (seed, epoch, index)) and takes its share; micro-batch m of a
 rank is rows m*mbs:(m+1)*mbs of its share, so the trainer splits the local batch into consecutive micro-batches.
+`context_loss` is the share of the tokens of the batch at the loader's position (the one being trained) that
+repack's cuts left without their earlier context, for the training log.
 """
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ from typing import Iterator
 
 import numpy as np
 
-from data_sched.attention_balance import DocLengths, balance_global_batch, check_balance_mode
+from data_sched.attention_balance import DocLengths, balance_global_batch, check_balance_mode, check_context_loss
 from data_sched.attention_cost import CostModel
 from data_sched.errors import DataError
 from data_sched.packing import PackedSamples, doc_lens_to_segment_ids
 
-# With fixed-length samples the token and sample terms are equal in every slot, so balancing needs only the
-# attention term; a calibrated model changes the predicted times, not the assignment.
+# Without a calibration the plan is made and priced with the attention term alone. With fixed-length samples the
+# token and sample terms add the same to every slot: a calibrated model changes the predicted times and how close
+# to even is close enough (the tolerances are shares of a slot's whole cost), not what balancing aims at.
 ATTENTION_ONLY = CostModel(a=1.0, b=0.0, c=0.0, source="attention term only")
 
 COLUMNS = ("input_ids", "labels", "segment_ids")
@@ -45,13 +48,14 @@ class BatchLoader:
 
     def __init__(self, samples: PackedSamples, global_batch_size: int, seed: int, dp_rank: int = 0,
                  dp_size: int = 1, micro_batch_num: int = 1, attention_balance: str = "off",
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, max_context_loss: float = 1.0):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise DataError(f"parallel_config.data_parallel: rank {dp_rank} is not in [0, {dp_size})")
         if global_batch_size < 1 or global_batch_size % dp_size:
             raise DataError(f"global_batch_size: expected a positive multiple of data_parallel={dp_size}, "
                             f"got {global_batch_size}")
         check_balance_mode(attention_balance)
+        check_context_loss(max_context_loss)
         if micro_batch_num < 1 or global_batch_size % (dp_size * micro_batch_num):
             raise DataError(f"global_batch_size: expected a multiple of data_parallel x micro_batch_num = "
                             f"{dp_size} x {micro_batch_num}, got {global_batch_size}")
@@ -66,12 +70,14 @@ class BatchLoader:
         self.micro_batch_num = micro_batch_num
         self.attention_balance = attention_balance
         self.cost_model = cost_model or ATTENTION_ONLY
+        self.max_context_loss = max_context_loss
         self.local_batch_size = global_batch_size // dp_size
         self.batches_per_epoch = len(samples) // global_batch_size
         self.epoch = 0
         self.index = 0
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
+        self._context_loss: dict[tuple[int, int], float] = {}   # of the batches made, by (epoch, index)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -92,7 +98,22 @@ class BatchLoader:
         batch = DocLengths.take(self.samples.doc_lens, self.samples.doc_offsets, rows)
         return balance_global_batch(batch, self.attention_balance,
                                     self.dp_size, self.micro_batch_num, self.cost_model,
-                                    seed=int(np.random.default_rng([self.seed, epoch, index]).integers(2**31)))
+                                    seed=int(np.random.default_rng([self.seed, epoch, index]).integers(2**31)),
+                                    max_context_loss=self.max_context_loss)
+
+    @property
+    def context_loss(self) -> float:
+        """Share of the tokens of the batch at the current position (the next to train, or the one in training
+        until `advance`) that lost their earlier context to repack's cuts; 0 unless repacking. Kept from when the
+        batch was made (a prefetching pipeline makes it ahead), else planned again."""
+        if self.attention_balance != "repack":
+            return 0.0
+        at = (self.epoch, self.index)
+        for key in [k for k in list(self._context_loss) if k < at]:
+            self._context_loss.pop(key, None)
+        if at not in self._context_loss:
+            self._context_loss[at] = self.assignment_at(*at).context_loss
+        return self._context_loss[at]
 
     def batch_at(self, epoch: int, index: int) -> dict[str, np.ndarray]:
         rows = self.global_batch_indices(epoch, index)
@@ -105,7 +126,9 @@ class BatchLoader:
             lens = [self.samples.sample_doc_lens(i) for i in rows[lo:hi]]
         else:
             inputs, labels = plan.apply(self.samples.tokens[rows], lo, hi)
-            lens = [plan.doc_lens(j) for j in range(lo, hi)]
+            lens = np.split(plan.pieces(lo, hi)[2], np.cumsum(plan.counts[lo:hi].sum(axis=1))[:-1])
+            if len(self._context_loss) < 64:
+                self._context_loss[(epoch, index)] = plan.context_loss
         segments = np.stack([doc_lens_to_segment_ids(x, seq) for x in lens])
         return {"input_ids": np.ascontiguousarray(inputs), "labels": np.ascontiguousarray(labels),
                 "segment_ids": segments}
