@@ -1,11 +1,13 @@
 """Progress reporting: a console line per log step, metrics.jsonl, TensorBoard scalars and expert-load histograms.
 
-Only rank 0 writes. Nothing here synchronises with the device beyond the scalars the step already returned, so
-logging does not slow the training loop.
+Only rank 0 writes, and only once opened at the run's first step: the records of a step after it (the steps a
+resumed run replays) are dropped from metrics.jsonl and purged from TensorBoard's view. Nothing here synchronises
+with the device beyond the scalars the step already returned, so logging does not slow the training loop.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ class StepLogger:
     def __init__(self, log_dir: Path, enabled: bool, total_steps: int, tokens_per_step: int, flops_per_token: float,
                  peak_flops: float, devices: int):
         self.enabled = enabled
+        self.log_dir = log_dir
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -32,11 +35,18 @@ class StepLogger:
         self.writer = None
         self.jsonl = None
         self.step_times: list[float] = []
-        if enabled:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            from tensorboardX import SummaryWriter
-            self.writer = SummaryWriter(str(log_dir / "tensorboard"))
-            self.jsonl = open(log_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def open(self, start_step: int) -> None:
+        """Start writing at the run's first step, `start_step` + 1: metrics.jsonl keeps its records up to
+        `start_step` and appends after them; TensorBoard hides the earlier runs' events after it."""
+        if not self.enabled:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / "metrics.jsonl"
+        keep_records_until(path, start_step)
+        from tensorboardX import SummaryWriter
+        self.writer = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=start_step + 1)
+        self.jsonl = open(path, "a", encoding="utf-8")
 
     def step_time(self, seconds: float) -> None:
         self.step_times.append(seconds)
@@ -53,7 +63,7 @@ class StepLogger:
         mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.devices)
         record = {"step": step, **{k: float(v) for k, v in values.items()}, "tokens_per_s": tokens_per_s,
                   "mfu": mfu, "step_time_s": dt}
-        if not self.enabled:
+        if self.jsonl is None:
             return record
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
@@ -74,7 +84,7 @@ class StepLogger:
         return record
 
     def log_eval(self, step: int, loss: float) -> None:
-        if not self.enabled:
+        if self.jsonl is None:
             return
         self.jsonl.write(json.dumps({"step": step, "eval_lm_loss": loss}) + "\n")
         self.jsonl.flush()
@@ -82,9 +92,28 @@ class StepLogger:
         print(f"step {step:6d}/{self.total_steps} | held-out lm_loss {loss:.4f} | ppl {np.exp(loss):.2f}", flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.jsonl is not None:
             self.writer.close()
             self.jsonl.close()
+            self.writer = self.jsonl = None
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Rewrite the JSON-lines file at `path` (if any) with only its records of steps up to `step`; a torn last line
+    (a killed run) goes too. Atomic: a crash leaves the old file or the new one."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def info(message: str, enabled: bool = True) -> None:

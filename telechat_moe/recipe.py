@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -24,6 +25,11 @@ ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "n
            "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
            "max_steps": "train_steps", "batch_size": "global_batch_size"}
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# Sections nest two levels (model.hidden_size); lists of lists a few more. Deeper is not a recipe (and would
+# exhaust the recursion of merging and copying).
+MAX_DEPTH = 16
+# np.random.seed and MindSpore's dataset seed take unsigned 32-bit integers.
+MAX_SEED = 2**32 - 1
 
 
 # The parallel_config key of each ParallelLayout degree: the layout's errors name the degree, the recipe's its key.
@@ -96,7 +102,7 @@ class TrainingConfig:
     log_interval: int = 10
     save_interval: int = 0               # 0: only at the end
     eval_interval: int = 0               # 0: only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4               # held-out batches per evaluation; 0: no evaluation
     keep_checkpoints: int = 3
     loss_scale: str = "auto"             # auto (dynamic for float16, off otherwise) | dynamic | none | a number
     loss_scale_window: int = 1000
@@ -111,6 +117,7 @@ class DataConfig:
     eval_fraction: float = 0.02
     attention_balance: str = "off"               # off | reorder | repack
     attention_cost: str = ""                     # calibration file of the attention cost model
+    max_context_loss: float = 1.0                # repack: most share of a batch's tokens its cuts may cut off
 
 
 @dataclass
@@ -166,13 +173,35 @@ def _read_yaml(path: Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise RecipeError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not a text file (byte {e.start} is not UTF-8); a recipe is YAML text") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: nested too deeply to be a recipe (sections nest at most {MAX_DEPTH} "
+                          f"levels)") from None
     except OSError as e:
         raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
     if data is None:
-        return {}
+        raise RecipeError(f"{path}: the recipe file is empty (start it with base: base.yaml, or name a recipe "
+                          f"in {RECIPE_DIR})")
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    if _depth(data) > MAX_DEPTH:
+        raise RecipeError(f"{path}: nested too deeply to be a recipe (sections nest at most {MAX_DEPTH} levels)")
     return data
+
+
+def _depth(data) -> int:
+    """How deep mappings and lists nest in `data`, up to MAX_DEPTH + 1, counted without recursion; a node that YAML
+    anchors share is visited once."""
+    deepest, todo, seen = 0, [(data, 1)], set()
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)) and id(node) not in seen:
+            seen.add(id(node))
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -281,6 +310,8 @@ def _require(cond: bool, message: str) -> None:
 
 def validate(r: Recipe, world_size: int | None = None) -> None:
     m, p, t = r.model, r.parallel_config, r.training
+    _require(0 <= r.seed <= MAX_SEED, f"seed: expected an integer in [0, {MAX_SEED}] (the seeds NumPy and MindSpore "
+                                      f"accept), got {r.seed}")
     m.validate()
 
     try:
@@ -335,17 +366,23 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     _require(o.type in ("AdamW",), f"optimizer.type: expected AdamW, got {o.type!r}")
     _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
              f"optimizer.betas: expected two numbers in [0, 1), got {o.betas!r}")
-    _require(o.learning_rate > 0, f"optimizer.learning_rate: expected > 0, got {o.learning_rate}")
+    _require(math.isfinite(o.learning_rate) and o.learning_rate > 0,
+             f"optimizer.learning_rate: expected a finite number > 0, got {o.learning_rate}")
     _require(0 <= o.min_lr <= o.learning_rate,
              f"optimizer.min_lr: expected between 0 and learning_rate={o.learning_rate}, got {o.min_lr}")
+    _require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps: expected a finite number > 0, got {o.eps}")
+    for key in ("weight_decay", "grad_clip"):
+        value = getattr(o, key)
+        _require(math.isfinite(value) and value >= 0, f"optimizer.{key}: expected a finite number >= 0, got {value}")
     _require(r.lr_schedule.type in ("cosine", "constant"),
              f"lr_schedule.type: expected cosine or constant, got {r.lr_schedule.type!r}")
     _require(r.lr_schedule.warmup_steps >= 0, "lr_schedule.warmup_steps: expected 0 or more")
     d = r.data
-    from data_sched.attention_balance import check_balance_mode
+    from data_sched.attention_balance import check_balance_mode, check_context_loss
     from data_sched.errors import DataError
     try:
         check_balance_mode(d.attention_balance)
+        check_context_loss(d.max_context_loss)
     except DataError as e:
         raise RecipeError(str(e)) from None
     _require(0 <= d.eval_fraction < 0.5, f"data.eval_fraction: expected in [0, 0.5), got {d.eval_fraction}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +22,8 @@ from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
 
 from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
-from data_sched.prepare import prepare_data
-from telechat_moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
+from telechat_moe.checkpoint import latest_checkpoint, load_checkpoint, preflight, save_checkpoint
 from telechat_moe.metrics import StepLogger, Timer, info
 from telechat_moe.model import TeleChatMoE
 from telechat_moe.moe.router import expert_bias_delta
@@ -223,6 +225,7 @@ class Trainer:
         np.random.seed(recipe.seed)
 
         info(f"[data] preparing corpus and tokenizer (seq_length {cfg.seq_length})", self.main)
+        self.new_tokenizer = None           # a tokenizer trained by this run, not yet in output_dir
         with Timer() as tm:
             self.data = self._prepare_data()
         info(f"[data] {len(self.data.train)} training samples, "
@@ -257,11 +260,9 @@ class Trainer:
         shape = cfg.to_model_shape()
         from parallel.planner.model_shape import flops_per_token
         self.peak_flops = peak_flops
+        # Opened by fit(), once resume() has passed: a run refused before its first step touches no earlier log.
         self.logger = StepLogger(self.out / "logs", self.main, t.train_steps, t.global_batch_size * cfg.seq_length,
                                  flops_per_token(shape)["training"], peak_flops, world)
-        if self.main:
-            (self.out / "logs").mkdir(parents=True, exist_ok=True)
-            (self.out / "logs" / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         n_params = sum(w.size for w in self.weights)
         info(f"[model] {n_params:,} trainable parameters; layout {recipe.layout.describe()}; "
              f"peak {peak_flops / 1e9:.1f} GFLOP/s per device for MFU", self.main)
@@ -307,21 +308,26 @@ class Trainer:
     # -- data --
     def _prepare_data(self):
         cfg, d = self.r.model, self.r.data
-        tokenizer_file = self.out / "tokenizer.model"
-        if d.tokenizer:
-            return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, tokenizer_path=d.tokenizer)
-        if tokenizer_file.is_file():
-            return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction,
-                                tokenizer_path=str(tokenizer_file))
-        # Every rank trains the same deterministic tokenizer in its own folder, then publishes it atomically.
-        prefix = self.out / f".tokenizer_rank{self.rank}" / "spm"
-        data = prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, vocab_size=cfg.vocab_size,
-                            tokenizer_out=str(prefix))
-        os.replace(f"{prefix}.model", tokenizer_file)
-        for leftover in prefix.parent.iterdir():
-            leftover.unlink()
-        prefix.parent.rmdir()
-        return data
+        existing = tokenizer_in_use(d.tokenizer, self.out)
+        if existing:
+            return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, tokenizer_path=existing,
+                                vocab_size=cfg.vocab_size)
+        # Every rank trains the same deterministic tokenizer in a temporary folder of its own run; _begin() publishes
+        # it into output_dir once the run is known to start.
+        self.new_tokenizer = tempfile.TemporaryDirectory(prefix=f"telechat_tokenizer_rank{self.rank}_")
+        return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, vocab_size=cfg.vocab_size,
+                            tokenizer_out=str(Path(self.new_tokenizer.name) / "spm"))
+
+    def _publish_tokenizer(self) -> None:
+        """The tokenizer this run trained, into output_dir atomically (every rank publishes the same file)."""
+        if self.new_tokenizer is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        staged = self.out / f".{TOKENIZER_FILE}.rank{self.rank}.{os.getpid()}"
+        shutil.copyfile(Path(self.new_tokenizer.name) / "spm.model", staged)
+        os.replace(staged, self.out / TOKENIZER_FILE)
+        self.new_tokenizer.cleanup()
+        self.new_tokenizer = None
 
     def _tensors(self, batch: dict, rows: slice) -> tuple:
         ids = batch["input_ids"][rows]
@@ -395,6 +401,8 @@ class Trainer:
             values["loss_scale"] = self.scaler.scale
         if dumping:
             self._dump(self.step + 1, forward, values, grads)
+        if self.loader.attention_balance == "repack":   # share of this batch's tokens repack cut from their context
+            values["context_loss"] = self.loader.context_loss
         return values, loads
 
     def _mean_over_ranks(self, local: np.ndarray) -> np.ndarray:
@@ -412,7 +420,7 @@ class Trainer:
 
     def held_out_loss(self) -> float | None:
         held = self.data.held_out
-        if held is None or len(held) == 0:
+        if held is None or len(held) == 0 or self.r.training.eval_batches == 0:
             return None
         # The held-out batches of a one-process run; data-parallel rank r evaluates rows [r*B/dp, (r+1)*B/dp) of
         # each, weighted by its share of the rows (every row holds as many loss tokens), so the ranks' shares add
@@ -429,6 +437,16 @@ class Trainer:
                 share += (hi - lo) / rows * float(loss.asnumpy())
         return float(self._mean_over_ranks(np.array([share * dp / n]))[0])
 
+    def _begin(self) -> None:
+        """What a run writes before its first step, once every check (resume() included) has passed: room for a
+        checkpoint checked, the tokenizer it trained, the resolved recipe, the logs from this step on."""
+        preflight(self.out / "checkpoints", self.rank, sum(p.nbytes for p in self._all_params()))
+        self._publish_tokenizer()
+        if self.main:
+            (self.out / "logs").mkdir(parents=True, exist_ok=True)
+            (self.out / "logs" / "recipe.yaml").write_text(yaml.safe_dump(self.r.to_dict(), sort_keys=False))
+        self.logger.open(self.step)
+
     def fit(self) -> dict:
         t = self.r.training
         remaining = t.train_steps - self.step
@@ -437,23 +455,26 @@ class Trainer:
         last, eval_loss = {}, None
         if remaining <= 0:
             return {"step": self.step}
+        self._begin()
         batches = self.loader.as_mindspore_dataset(remaining).create_dict_iterator(output_numpy=True, num_epochs=1)
-        for batch in batches:
-            start = time.perf_counter()
-            values, loads = self.train_step(batch)
-            self.logger.step_time(time.perf_counter() - start)
-            self.loader.advance(1)
-            self.step += 1
-            done = self.step == t.train_steps
-            if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
-                last = self.logger.log(self.step, values, loads)
-            if (t.eval_interval and self.step % t.eval_interval == 0) or done:
-                eval_loss = self.held_out_loss()
-                if eval_loss is not None:
-                    self.logger.log_eval(self.step, eval_loss)
-            if (t.save_interval and self.step % t.save_interval == 0) or done:
-                self.save()
-        self.logger.close()
+        try:
+            for batch in batches:
+                start = time.perf_counter()
+                values, loads = self.train_step(batch)
+                self.logger.step_time(time.perf_counter() - start)
+                self.loader.advance(1)
+                self.step += 1
+                done = self.step == t.train_steps
+                if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
+                    last = self.logger.log(self.step, values, loads)
+                if (t.eval_interval and self.step % t.eval_interval == 0) or done:
+                    eval_loss = self.held_out_loss()
+                    if eval_loss is not None:
+                        self.logger.log_eval(self.step, eval_loss)
+                if (t.save_interval and self.step % t.save_interval == 0) or done:
+                    self.save()
+        finally:
+            self.logger.close()     # also when a step fails: what was logged is on disk
         summary = {**last, "eval_lm_loss": eval_loss}
         if self.main:
             (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))
