@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from telechat_moe.errors import RecipeError
+from telechat_moe.errors import require
 
 # The planner prices all three schemes; training builds only the local one (telechat_moe/moe/dispatch.py).
 DISPATCHERS = ("local", "alltoall", "hierarchical")
@@ -111,58 +111,58 @@ class ModelConfig:
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
                     "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings",
                     "original_max_position_embeddings"):
-            _require(getattr(self, key) >= 1, f"model.{key}: expected a positive integer, got {getattr(self, key)}")
+            require(getattr(self, key) >= 1, f"model.{key}: expected a positive integer, got {getattr(self, key)}")
         for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
-            _require(getattr(self, key) >= 0, f"model.{key}: expected 0 or more, got {getattr(self, key)}")
-        _require(self.num_experts_per_tok <= self.n_routed_experts,
+            require(getattr(self, key) >= 0, f"model.{key}: expected 0 or more, got {getattr(self, key)}")
+        require(self.num_experts_per_tok <= self.n_routed_experts,
                  f"model.num_experts_per_tok: top-{self.num_experts_per_tok} needs at least that many experts "
                  f"(n_routed_experts={self.n_routed_experts})")
-        _require(self.first_k_dense_replace <= self.num_hidden_layers,
+        require(self.first_k_dense_replace <= self.num_hidden_layers,
                  f"model.first_k_dense_replace: {self.first_k_dense_replace} exceeds "
                  f"num_hidden_layers={self.num_hidden_layers}")
-        _require(self.qk_rope_head_dim % 2 == 0,
+        require(self.qk_rope_head_dim % 2 == 0,
                  f"model.qk_rope_head_dim: RoPE needs an even size, got {self.qk_rope_head_dim}")
-        _require(self.first_k_dense_replace == 0 or self.intermediate_size >= 1,
+        require(self.first_k_dense_replace == 0 or self.intermediate_size >= 1,
                  "model.intermediate_size: dense layers need a positive FFN size")
-        _require(self.n_shared_experts == 0 or self.moe_shared_expert_intermediate_size >= 1,
+        require(self.n_shared_experts == 0 or self.moe_shared_expert_intermediate_size >= 1,
                  f"model.moe_shared_expert_intermediate_size: {self.n_shared_experts} shared expert(s) need a "
                  f"positive FFN size, got {self.moe_shared_expert_intermediate_size}")
-        _require(self.moe_token_dispatcher_type in DISPATCHERS,
+        require(self.moe_token_dispatcher_type in DISPATCHERS,
                  f"model.moe_token_dispatcher_type: expected one of {', '.join(DISPATCHERS)}, "
                  f"got {self.moe_token_dispatcher_type!r}")
-        _require(self.attention_kernel in ("dense", "varlen"),
+        require(self.attention_kernel in ("dense", "varlen"),
                  f"model.attention_kernel: expected dense or varlen, got {self.attention_kernel!r}")
-        _require(self.scoring_func in ("sigmoid", "softmax"),
+        require(self.scoring_func in ("sigmoid", "softmax"),
                  f"model.scoring_func: expected sigmoid or softmax, got {self.scoring_func!r}")
         for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype"):
-            _require(getattr(self, key) in ("float32", "float16", "bfloat16"),
+            require(getattr(self, key) in ("float32", "float16", "bfloat16"),
                      f"model.{key}: expected float32, float16 or bfloat16, got {getattr(self, key)!r}")
         # Accepted for MindFormers recipes, which set them to float32; the model keeps these parts in float32 always.
         for key, part in (("router_dense_type", "the router's logits"), ("layernorm_compute_dtype", "RMSNorm")):
-            _require(getattr(self, key) == "float32",
+            require(getattr(self, key) == "float32",
                      f"model.{key}: expected float32 ({part} is always computed in float32), "
                      f"got {getattr(self, key)!r}")
         if self.n_group:
-            _require(self.n_routed_experts % self.n_group == 0,
+            require(self.n_routed_experts % self.n_group == 0,
                      f"model.n_group: {self.n_group} groups must divide n_routed_experts={self.n_routed_experts}")
-            _require(1 <= self.topk_group <= self.n_group,
+            require(1 <= self.topk_group <= self.n_group,
                      f"model.topk_group: expected 1..n_group={self.n_group}, got {self.topk_group}")
-            _require(self.topk_group * (self.n_routed_experts // self.n_group) >= self.num_experts_per_tok,
+            require(self.topk_group * (self.n_routed_experts // self.n_group) >= self.num_experts_per_tok,
                      "model.topk_group: the chosen groups hold fewer experts than num_experts_per_tok")
-        _require(self.rope_theta > 1, f"model.rope_theta: expected a RoPE base above 1, got {self.rope_theta}")
-        _require(self.rotary_scaling_factor >= 1,
+        require(self.rope_theta > 1, f"model.rope_theta: expected a RoPE base above 1, got {self.rope_theta}")
+        require(self.rotary_scaling_factor >= 1,
                  f"model.rotary_scaling_factor: expected 1 (no YaRN) or more, got {self.rotary_scaling_factor}")
         if self.yarn_enabled:
             # YaRN interpolates the dimensions turning fewer than beta_slow times over the original context and
             # keeps those turning more than beta_fast times; the other order inverts the ramp, and log() needs both
             # positive.
-            _require(self.beta_slow > 0, f"model.beta_slow: expected > 0 for YaRN, got {self.beta_slow}")
-            _require(self.beta_fast >= self.beta_slow,
+            require(self.beta_slow > 0, f"model.beta_slow: expected > 0 for YaRN, got {self.beta_slow}")
+            require(self.beta_fast >= self.beta_slow,
                      f"model.beta_fast: expected at least beta_slow={self.beta_slow} for YaRN, got {self.beta_fast}")
-        _require(self.max_position_embeddings >= self.seq_length or self.yarn_enabled,
+        require(self.max_position_embeddings >= self.seq_length or self.yarn_enabled,
                  f"model.seq_length: {self.seq_length} exceeds max_position_embeddings="
                  f"{self.max_position_embeddings} without YaRN (rotary_scaling_factor > 1)")
-        _require(self.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {self.mtp_loss_factor}")
+        require(self.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {self.mtp_loss_factor}")
 
     def to_model_shape(self):
         """The planner's own description of this model (a plain dataclass of parallel/, which imports nothing from
@@ -178,11 +178,6 @@ class ModelConfig:
             num_shared_experts=self.n_shared_experts, top_k=self.num_experts_per_tok,
             mtp_depth=self.num_nextn_predict_layers, seq_length=self.seq_length, qk_layernorm=self.qk_layernorm,
             tie_embeddings=self.tie_word_embeddings, topk_group=self.topk_group if self.n_group else 0)
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise RecipeError(message)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

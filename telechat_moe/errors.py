@@ -9,3 +9,9 @@ class RecipeError(InputError):
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be used."""
+
+
+def require(cond: bool, message: str) -> None:
+    """A recipe check: RecipeError(message) unless `cond`."""
+    if not cond:
+        raise RecipeError(message)

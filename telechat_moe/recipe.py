@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from parallel.layout import (LayoutError, ParallelLayout, experts_split, global_batch_splits, heads_split,
-                             layers_fill_chunks)
+from parallel.layout import (MINDFORMERS_KEYS, LayoutError, ParallelLayout, experts_split, global_batch_splits,
+                             heads_split, layers_fill_chunks)
 from telechat_moe.config import TRAINABLE_DISPATCHERS, ModelConfig
-from telechat_moe.errors import RecipeError
+from telechat_moe.errors import RecipeError, require
 
 # Names users bring from other frameworks, pointed at ours.
 ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "num_experts": "n_routed_experts",
@@ -32,16 +32,11 @@ MAX_DEPTH = 16
 MAX_SEED = 2**32 - 1
 
 
-# The parallel_config key of each ParallelLayout degree: the layout's errors name the degree, the recipe's its key.
-LAYOUT_KEYS = {"dp": "data_parallel", "tp": "model_parallel", "pp": "pipeline_stage", "vpp": "pp_interleave_num",
-               "ep": "expert_parallel", "etp": "expert_model_parallel", "cp": "context_parallel",
-               "sp": "use_seq_parallel", "micro_batch_num": "micro_batch_num", "devices_per_node": "devices_per_node"}
-
-
 def layout_error_text(e: LayoutError) -> str:
-    """A LayoutError in the recipe's words: `parallel_config.<key>: reason`, the degrees named by their keys."""
-    key = "parallel_config" if e.field == "world_size" else f"parallel_config.{LAYOUT_KEYS[e.field]}"
-    return f"{key}: {e.reason(LAYOUT_KEYS)}"
+    """A LayoutError in the recipe's words: `parallel_config.<key>: reason`, the degrees named by their MindFormers
+    keys (the layout's errors name the degree)."""
+    key = "parallel_config" if e.field == "world_size" else f"parallel_config.{MINDFORMERS_KEYS.get(e.field, e.field)}"
+    return f"{key}: {e.reason(MINDFORMERS_KEYS)}"
 
 
 @dataclass
@@ -303,14 +298,9 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
 
 
 # ---- consistency ----------------------------------------------------------------------------------------
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise RecipeError(message)
-
-
 def validate(r: Recipe, world_size: int | None = None) -> None:
     m, p, t = r.model, r.parallel_config, r.training
-    _require(0 <= r.seed <= MAX_SEED, f"seed: expected an integer in [0, {MAX_SEED}] (the seeds NumPy and MindSpore "
+    require(0 <= r.seed <= MAX_SEED, f"seed: expected an integer in [0, {MAX_SEED}] (the seeds NumPy and MindSpore "
                                       f"accept), got {r.seed}")
     m.validate()
 
@@ -319,42 +309,42 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     except LayoutError as e:
         raise RecipeError(layout_error_text(e)) from None
     shape = m.to_model_shape()
-    _require(experts_split(shape, layout.ep),
+    require(experts_split(shape, layout.ep),
              f"parallel_config.expert_parallel: {m.n_routed_experts} experts cannot be split evenly over "
              f"expert_parallel={p.expert_parallel}")
-    _require(m.moe_intermediate_size % p.expert_model_parallel == 0,
+    require(m.moe_intermediate_size % p.expert_model_parallel == 0,
              f"parallel_config.expert_model_parallel: the expert FFN size moe_intermediate_size="
              f"{m.moe_intermediate_size} is not divisible by expert_model_parallel={p.expert_model_parallel}")
-    _require(heads_split(shape, layout.tp),
+    require(heads_split(shape, layout.tp),
              f"parallel_config.model_parallel: {m.num_attention_heads} attention heads are not divisible by "
              f"model_parallel={p.model_parallel}")
     for key, used in (("intermediate_size", m.first_k_dense_replace > 0),
                       ("moe_shared_expert_intermediate_size", m.n_shared_experts > 0)):
-        _require(not used or getattr(m, key) % p.model_parallel == 0,
+        require(not used or getattr(m, key) % p.model_parallel == 0,
                  f"parallel_config.model_parallel: model.{key}={getattr(m, key)} is not divisible by "
                  f"model_parallel={p.model_parallel}")
     # MindFormers splits the embedding and head by vocabulary unless vocab_emb_dp; an uneven vocabulary makes it fall
     # back to whole copies with only a warning, while the memory plan counts the split.
-    _require(p.vocab_emb_dp or m.vocab_size % p.model_parallel == 0,
+    require(p.vocab_emb_dp or m.vocab_size % p.model_parallel == 0,
              f"model.vocab_size: {m.vocab_size} is not divisible by model_parallel={p.model_parallel}; pad it to a "
              f"multiple or set parallel_config.vocab_emb_dp: true")
-    _require(m.seq_length % p.context_parallel == 0,
+    require(m.seq_length % p.context_parallel == 0,
              f"model.seq_length: {m.seq_length} not divisible by context_parallel={p.context_parallel}")
-    _require(m.seq_length % (p.model_parallel if p.use_seq_parallel else 1) == 0,
+    require(m.seq_length % (p.model_parallel if p.use_seq_parallel else 1) == 0,
              f"model.seq_length: {m.seq_length} not divisible by model_parallel={p.model_parallel} for sequence "
              f"parallelism")
-    _require(layers_fill_chunks(shape, layout.pp, layout.vpp),
+    require(layers_fill_chunks(shape, layout.pp, layout.vpp),
              f"parallel_config.pipeline_stage: {p.pipeline_stage} stages x {p.pp_interleave_num} chunks need at "
              f"least that many layers, the model has {m.num_hidden_layers}")
-    _require(t.global_batch_size >= 1, f"training.global_batch_size: expected a positive integer, got "
+    require(t.global_batch_size >= 1, f"training.global_batch_size: expected a positive integer, got "
                                         f"{t.global_batch_size}")
-    _require(global_batch_splits(t.global_batch_size, layout.dp, layout.micro_batch_num),
+    require(global_batch_splits(t.global_batch_size, layout.dp, layout.micro_batch_num),
              f"training.global_batch_size: {t.global_batch_size} is not divisible by data_parallel*micro_batch_num "
              f"= {layout.dp * p.micro_batch_num}")
-    _require(t.train_steps >= 1, f"training.train_steps: expected at least 1, got {t.train_steps}")
+    require(t.train_steps >= 1, f"training.train_steps: expected at least 1, got {t.train_steps}")
     for key in ("log_interval", "save_interval", "eval_interval", "keep_checkpoints", "eval_batches"):
-        _require(getattr(t, key) >= 0, f"training.{key}: expected 0 or more, got {getattr(t, key)}")
-    _require(t.loss_scale in ("auto", "dynamic", "none") or _is_number(t.loss_scale),
+        require(getattr(t, key) >= 0, f"training.{key}: expected 0 or more, got {getattr(t, key)}")
+    require(t.loss_scale in ("auto", "dynamic", "none") or _is_number(t.loss_scale),
              f"training.loss_scale: expected auto, dynamic, none or a number, got {t.loss_scale!r}")
     if t.dump_steps:
         from precision.dump import DumpError, parse_steps
@@ -363,20 +353,20 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
         except DumpError as e:
             raise RecipeError(str(e)) from None
     o = r.optimizer
-    _require(o.type in ("AdamW",), f"optimizer.type: expected AdamW, got {o.type!r}")
-    _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
+    require(o.type in ("AdamW",), f"optimizer.type: expected AdamW, got {o.type!r}")
+    require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
              f"optimizer.betas: expected two numbers in [0, 1), got {o.betas!r}")
-    _require(math.isfinite(o.learning_rate) and o.learning_rate > 0,
+    require(math.isfinite(o.learning_rate) and o.learning_rate > 0,
              f"optimizer.learning_rate: expected a finite number > 0, got {o.learning_rate}")
-    _require(0 <= o.min_lr <= o.learning_rate,
+    require(0 <= o.min_lr <= o.learning_rate,
              f"optimizer.min_lr: expected between 0 and learning_rate={o.learning_rate}, got {o.min_lr}")
-    _require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps: expected a finite number > 0, got {o.eps}")
+    require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps: expected a finite number > 0, got {o.eps}")
     for key in ("weight_decay", "grad_clip"):
         value = getattr(o, key)
-        _require(math.isfinite(value) and value >= 0, f"optimizer.{key}: expected a finite number >= 0, got {value}")
-    _require(r.lr_schedule.type in ("cosine", "constant"),
+        require(math.isfinite(value) and value >= 0, f"optimizer.{key}: expected a finite number >= 0, got {value}")
+    require(r.lr_schedule.type in ("cosine", "constant"),
              f"lr_schedule.type: expected cosine or constant, got {r.lr_schedule.type!r}")
-    _require(r.lr_schedule.warmup_steps >= 0, "lr_schedule.warmup_steps: expected 0 or more")
+    require(r.lr_schedule.warmup_steps >= 0, "lr_schedule.warmup_steps: expected 0 or more")
     d = r.data
     from data_sched.attention_balance import check_balance_mode, check_context_loss
     from data_sched.errors import DataError
@@ -385,19 +375,19 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
         check_context_loss(d.max_context_loss)
     except DataError as e:
         raise RecipeError(str(e)) from None
-    _require(0 <= d.eval_fraction < 0.5, f"data.eval_fraction: expected in [0, 0.5), got {d.eval_fraction}")
-    _require(all(isinstance(x, str) for x in d.paths), f"data.paths: expected a list of file paths, got {d.paths!r}")
-    _require(r.context.device_target in ("CPU", "Ascend"),
+    require(0 <= d.eval_fraction < 0.5, f"data.eval_fraction: expected in [0, 0.5), got {d.eval_fraction}")
+    require(all(isinstance(x, str) for x in d.paths), f"data.paths: expected a list of file paths, got {d.paths!r}")
+    require(r.context.device_target in ("CPU", "Ascend"),
              f"context.device_target: expected CPU or Ascend, got {r.context.device_target!r}")
-    _require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")
-    _require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
+    require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")
+    require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
              "model.compute_dtype: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
 
 
 def launched_processes(env: Mapping[str, str]) -> int:
     """How many processes this launch started: msrun exports MS_WORKER_NUM to each; a plain `python` start is one."""
     value = env.get("MS_WORKER_NUM", "1").strip()
-    _require(value.isdigit() and int(value) >= 1,
+    require(value.isdigit() and int(value) >= 1,
              f"MS_WORKER_NUM: expected a positive process count (msrun sets it), got {value!r}")
     return int(value)
 
@@ -407,17 +397,17 @@ def check_trainable(r: Recipe, processes: int) -> None:
     dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
     communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
     p, m = r.parallel_config, r.model
-    _require(r.context.device_target != "CPU" or
+    require(r.context.device_target != "CPU" or
              (p.model_parallel, p.pipeline_stage, p.expert_parallel, p.context_parallel) == (1, 1, 1, 1),
              "parallel_config: on CPU only data_parallel runs (tensor, pipeline, expert and context parallelism "
              "need the Ascend engine); use --dry-run to plan this layout")
-    _require(m.moe_token_dispatcher_type in TRAINABLE_DISPATCHERS,
+    require(m.moe_token_dispatcher_type in TRAINABLE_DISPATCHERS,
              f"model.moe_token_dispatcher_type: {m.moe_token_dispatcher_type!r} is for planning (--dry-run, "
              f"telechat_moe.plan); training builds only {', '.join(TRAINABLE_DISPATCHERS)}")
     world = r.layout.world_size
     devices = f"{world} device{'s' if world > 1 else ''}"
     launched = f"{processes} process{'es were' if processes > 1 else ' was'} launched"
-    _require(world == processes,
+    require(world == processes,
              f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = {p.data_parallel}*"
              f"{p.model_parallel}*{p.context_parallel}*{p.pipeline_stage} = {devices}, but {launched} (use msrun "
              f"--worker_num={world}, or change parallel_config)")

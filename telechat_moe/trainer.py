@@ -23,6 +23,7 @@ from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
 from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
+from parallel.layout import Axis
 from telechat_moe.checkpoint import latest_checkpoint, load_checkpoint, preflight, save_checkpoint
 from telechat_moe.metrics import StepLogger, Timer, info
 from telechat_moe.model import TeleChatMoE
@@ -218,6 +219,9 @@ class Trainer:
         """`peak_flops`: one device's peak FLOP/s, the denominator of the logged MFU (the caller measures it or
         takes the recipe's context.peak_tflops)."""
         self.r, self.rank, self.world = recipe, rank, world
+        # which share of each global batch this rank holds (its data-parallel coordinate; the rank itself on CPU,
+        # where only data parallelism trains)
+        self.dp_rank = recipe.layout.coords(rank)[Axis.DP]
         self.out = Path(recipe.output_dir)
         self.main = rank == 0
         cfg, t, p = recipe.model, recipe.training, recipe.parallel_config
@@ -251,9 +255,9 @@ class Trainer:
         self.micro = p.micro_batch_num
         d = recipe.data
         cost = CostModel.load(d.attention_cost) if d.attention_cost else None
-        self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, rank, p.data_parallel,
+        self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, self.dp_rank, p.data_parallel,
                                   micro_batch_num=p.micro_batch_num, attention_balance=d.attention_balance,
-                                  cost_model=cost)
+                                  cost_model=cost, max_context_loss=d.max_context_loss)
         self.step = 0
         self.dumper = self._dump_writer()
 
@@ -427,7 +431,7 @@ class Trainer:
         # up to the one-process loss whether or not dp divides B.
         rows = min(len(held), self.r.training.global_batch_size)
         dp = self.r.parallel_config.data_parallel
-        lo, hi = self.rank * rows // dp, (self.rank + 1) * rows // dp
+        lo, hi = self.dp_rank * rows // dp, (self.dp_rank + 1) * rows // dp
         loader = BatchLoader(held, rows, self.r.seed)
         n = min(self.r.training.eval_batches, loader.batches_per_epoch)
         share = 0.0
