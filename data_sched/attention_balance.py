@@ -47,6 +47,8 @@ BIG_PER_SLOT = 8
 # Repack rebuilds the slots above the mean cost by more than this (and as many cold slots): a looser aim than
 # REFINE_TOLERANCE, as each rebuilt slot costs time.
 REPACK_TOLERANCE = 1.8e-2
+# Partitions with at most this many (part, item, item) triples refine by pricing every swap at once.
+PAIRWISE_REFINE = 16384
 
 
 @dataclass(frozen=True)
@@ -213,8 +215,10 @@ def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: i
     nearest candidates per (x, q). A swap helps only if it moves a positive amount less than S_p - S_q, so the
     sentinels (infinitely far), p's own items and items not smaller than x never win the least new maximum.
     """
-    members = members.copy()
     parts, k = members.shape
+    if parts * k * k <= PAIRWISE_REFINE:
+        return _refine_pairwise(costs, members, target, max_rounds)
+    members = members.copy()
     vals = costs[members]
     sums = vals.sum(axis=1)
     top = float(costs.max())
@@ -260,6 +264,34 @@ def _refine(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: i
             order[r] = np.argsort(vals[r], kind="stable")
             ys[r, 1:-1] = vals[r, order[r]]
             keys[r, 1:-1] = ys[r, 1:-1] + shift[r]
+    return members
+
+
+def _refine_pairwise(costs: np.ndarray, members: np.ndarray, target: float, max_rounds: int) -> np.ndarray:
+    """`_refine` for small partitions (parts x k^2 pairs at most PAIRWISE_REFINE): every (x of the heaviest part,
+    y of any part) swap priced at once, no sorted rows to keep: a round is a handful of calls on a few thousand
+    numbers. The best swap is the one the nearest-candidate search finds (the new maximum is unimodal in y)."""
+    members = members.copy()
+    parts, k = members.shape
+    vals = costs[members]
+    sums = vals.sum(axis=1)
+    for _ in range(max_rounds):
+        p = int(np.argmax(sums))
+        top_sum = float(sums[p])
+        if top_sum <= target:
+            break
+        d = vals[p][:, None, None] - vals[None, :, :]              # [x of p, part q, y of q]: what x-y moves
+        new_max = np.maximum(top_sum - d, sums[:, None] + d)        # p's own items and d <= 0 never win
+        f = int(np.argmin(new_max))
+        if not new_max.flat[f] < top_sum * (1 - 1e-12):
+            break
+        i, rest = divmod(f, parts * k)
+        q, j = divmod(rest, k)
+        moved = float(d.flat[f])
+        members[p, i], members[q, j] = members[q, j], members[p, i]
+        vals[p, i], vals[q, j] = vals[q, j], vals[p, i]
+        sums[p] -= moved
+        sums[q] += moved
     return members
 
 
@@ -454,7 +486,7 @@ def _stratified(n: int) -> np.ndarray:
     """A permutation of 0..n-1 (ranks of items sorted by size) whose every window holds items from across the
     whole range: rank of position j = j with its bits reversed (van der Corput order), skipping ranks >= n."""
     rev = _bit_reversed(max(1, int(n - 1).bit_length()))
-    return rev[rev < n]
+    return rev[np.flatnonzero(rev < n)]      # (a boolean index on this irregular mask takes twice as long)
 
 
 def _coarse_share(need: np.ndarray, room: np.ndarray, fine: float, coarse: float, coarse_tokens: int) -> np.ndarray:
@@ -482,6 +514,18 @@ def _coarse_share(need: np.ndarray, room: np.ndarray, fine: float, coarse: float
     return out
 
 
+def _sort_by_length(length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, lengths) of the pieces by length, ties by index: NumPy's radix sort on 16-bit keys (lengths
+    clipped to 65535), the few longer pieces at the end sorted apart."""
+    key = np.minimum(length, 65535).astype(np.uint16)
+    order = np.argsort(key, kind="stable")
+    tail = int(np.searchsorted(key[order], 65535))
+    if tail < len(order):
+        longest = order[tail:]
+        order[tail:] = longest[np.argsort(length[longest], kind="stable")]
+    return order, length[order]
+
+
 def _pack_slots(src: _Source, pieces: np.ndarray, pos: np.ndarray, slots: int, mbs: int, seq: int) -> _Layout:
     """Re-pack the source pieces `pieces` (at positions `pos`) into `slots` slots of mbs samples of seq tokens,
     balancing sum(l^2).
@@ -496,24 +540,25 @@ def _pack_slots(src: _Source, pieces: np.ndarray, pos: np.ndarray, slots: int, m
     length = src.length[pieces]
     sq = np.square(length, dtype=np.float64)
     capacity = mbs * seq
-    big = np.flatnonzero(length * length.sum() > sq.sum())            # longer than the average density
-    if len(big) > BIG_PER_SLOT * slots:
-        big = big[np.argpartition(-length[big], BIG_PER_SLOT * slots - 1)[:BIG_PER_SLOT * slots]]
-    big = big[np.argsort(-length[big], kind="stable")]
-    density = float(sq.sum() - sq[big].sum()) / max(int(length.sum() - length[big].sum()), 1)
+    # One sort of the pieces by length (ties by index): the longest are the big ones, the rest the sand in order.
+    asc, asc_length = _sort_by_length(length)
+    total, total_sq = int(length.sum()), float(sq.sum())
+    # Big: l * total > total_sq, i.e. l above the whole part of the average density.
+    first_big = max(int(np.searchsorted(asc_length, int(total_sq // max(total, 1)), side="right")),
+                    len(length) - BIG_PER_SLOT * slots)
+    big = asc[first_big:][::-1]                                      # longer than the average density, largest first
+    density = float(total_sq - sq[big].sum()) / max(total - int(length[big].sum()), 1)
     slot = _assign_big(length[big], sq[big], slots, capacity, density)
-    big, slot = big[slot >= 0], slot[slot >= 0]                     # the others go with the sand
-    is_sand = np.ones(len(length), dtype=bool)
-    is_sand[big] = False
-    sand = np.flatnonzero(is_sand)
-    key = length[sand]
-    sand = sand[np.argsort(key.astype(np.uint16) if key.max(initial=0) < 65536 else key, kind="stable")]
+    left = big[slot < 0][::-1]                                       # no room: they go with the sand, the longest
+    big, slot = big[slot >= 0], slot[slot >= 0]
+    sand = np.concatenate([asc[:first_big], left])
+    sand_length = np.concatenate([asc_length[:first_big], length[left]])
     # Sand by length: the first count[i] pieces of `sand` are those of the i shortest lengths present, holding
     # tokens[i] tokens and sand_sq[i] squared tokens.
-    per_length = np.bincount(key, minlength=1)
-    present = np.flatnonzero(per_length)
-    per_length = per_length[present]
-    count = _offsets(per_length)
+    count = np.concatenate([[0], np.flatnonzero(sand_length[1:] != sand_length[:-1]) + 1, [len(sand)]]
+                           if len(sand) else [[0]])
+    present = sand_length[count[:-1]]
+    per_length = np.diff(count)
     tokens = _offsets(per_length * present)
     sand_sq = _offsets(per_length * np.square(present, dtype=np.float64))
     fine_end = int(np.searchsorted(tokens, tokens[-1] / 2))          # fine: the fine_end shortest lengths
