@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from data_sched.attention_balance import (DocLengths, balance_global_batch, balanced_partition, lower_bounds,
-                                          partition_bound, repack_bound, _cut, _lpt, _offsets,
-                                          _stratified)
+                                          partition_bound, repack_bound, _cut, _lpt, _offsets, _Source,
+                                          _sort_by_length, _sort_by_length_radix, _stratified)
 from data_sched.attention_cost import CostModel, fit_attention_cost
 from data_sched.errors import DataError
 from data_sched.loader import BatchLoader
@@ -172,6 +172,28 @@ def test_cut_splits_a_stream_exactly_where_asked(lengths, data):
     squares = np.square(part_length[order], dtype=np.float64)
     assert np.allclose(chunks.sq(), np.add.reduceat(np.append(squares, 0.0), _offsets(parts_per_chunk)[:-1])
                        * (parts_per_chunk > 0))
+
+
+def test_sort_by_length_is_a_stable_sort_and_positions_a_running_sum():
+    """Both sorts of the pieces by length (32-bit keys with the longest apart; radix) are the stable argsort; a
+    gathered sample's piece positions are its start plus the running sum of its lengths, int32 lengths too."""
+    rng = np.random.default_rng(5)
+    for length in (rng.integers(1, 9, 50), rng.integers(1, 300_000, 5000), np.array([70_000, 3, 70_000, 3]),
+                   np.array([4]), np.zeros(0, dtype=np.int64)):
+        length = length.astype(np.int64)
+        expected = np.argsort(length, kind="stable")
+        for sort in (_sort_by_length, _sort_by_length_radix):
+            order, asc = sort(length)
+            assert np.array_equal(order, expected) and np.array_equal(asc, length[expected])
+    seq = 64
+    doc_lens = _packed(rng.integers(1, 40, 400), seq).doc_lens_list()[:12]
+    batch = DocLengths.of([d.astype(np.int32) for d in doc_lens])
+    src = _Source.of(batch, seq)
+    samples = np.array([7, 0, 3, 11, 4])
+    idx, pos, length = src.positions(samples)
+    starts = np.concatenate([s * seq + np.cumsum(doc_lens[s]) - doc_lens[s] for s in samples])
+    assert np.array_equal(pos, starts) and length.dtype == np.int64
+    assert np.array_equal(length, np.concatenate([doc_lens[s] for s in samples]))
 
 
 def test_stratified_order_is_a_permutation_spread_over_the_range():
