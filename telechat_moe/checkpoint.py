@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from telechat_moe.errors import CheckpointError
-from telechat_moe.safetensors_io import read_safetensors, write_safetensors
+from telechat_moe.safetensors_io import read_safetensors, write_probe, write_safetensors
 
 WEIGHTS, STATE = "weights.safetensors", "state.json"
 # What Trainer.save writes and Trainer.resume reads: field -> type, or the fields of a nested object.
@@ -41,21 +41,11 @@ def preflight(root: str | Path, rank: int, nbytes: int) -> None:
     """Before training: the rank's checkpoint folder can be created and written, and its filesystem has room for one
     more checkpoint of `nbytes`; else CheckpointError naming the folder and what is wrong."""
     d = rank_dir(root, rank)
-    probe = d / f".probe_{os.getpid()}"
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"0")
-            f.flush()
-            os.fsync(f.fileno())
+        write_probe(d)
     except OSError as e:
         cause = e.strerror or e.__class__.__name__
         raise CheckpointError(f"{d}: checkpoint folder is not writable ({cause})") from None
-    finally:
-        try:
-            probe.unlink(missing_ok=True)
-        except OSError:
-            pass
     free = shutil.disk_usage(d).free
     if free < nbytes:
         raise CheckpointError(f"{d}: {free / 2**20:.1f} MiB free on its filesystem, one checkpoint needs "

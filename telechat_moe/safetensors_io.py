@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 from typing import Mapping
 
 import numpy as np
@@ -200,3 +201,19 @@ def write_hf_dir(path: str | os.PathLike, config: Mapping, state: Mapping[str, n
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**config, "torch_dtype": dtype}, f, indent=2)
     return names
+
+
+def write_probe(folder: Path) -> None:
+    """Create `folder` if needed and write, sync and remove a probe file in it; OSError where that fails."""
+    probe = folder / f".probe_{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
