@@ -19,8 +19,15 @@ def _segments(group_sizes):
         start += n
 
 
+def _rows_out(rows: int, cols: int, dtype, group_sizes):
+    """The output buffer: rows past the last group (an expert-parallel receive buffer's padding) are zero."""
+    out = np.empty((rows, cols), dtype=dtype)
+    out[int(np.asarray(group_sizes).sum()):] = 0
+    return out
+
+
 def grouped_matmul_numpy(x, w, group_sizes):
-    out = np.empty((x.shape[0], w.shape[2]), dtype=x.dtype)
+    out = _rows_out(x.shape[0], w.shape[2], x.dtype, group_sizes)
     for e, a, b in _segments(group_sizes):
         if b > a:
             np.matmul(x[a:b], w[e], out=out[a:b])
@@ -28,7 +35,7 @@ def grouped_matmul_numpy(x, w, group_sizes):
 
 
 def grouped_matmul_dx_numpy(dy, w, group_sizes):
-    out = np.empty((dy.shape[0], w.shape[1]), dtype=dy.dtype)
+    out = _rows_out(dy.shape[0], w.shape[1], dy.dtype, group_sizes)
     for e, a, b in _segments(group_sizes):
         if b > a:
             np.matmul(dy[a:b], w[e].T, out=out[a:b])
@@ -62,7 +69,8 @@ _gmm_cpu = ops.Custom(grouped_matmul_numpy, out_shape=lambda x, w, g: (x[0], w[2
 
 
 def grouped_matmul_cpu(x, w, group_sizes):
-    """x [N, in] sorted by group, w [E, in, out], group_sizes [E] int32 -> [N, out]."""
+    """x [N, in] sorted by group, w [E, in, out], group_sizes [E] int32 -> [N, out]; rows past sum(group_sizes)
+    are padding and come out zero."""
     return _gmm_cpu(x, w, group_sizes)
 
 

@@ -114,8 +114,8 @@ def pipeline_step(schedule: Schedule, chunks: Sequence, loss_fn: Callable, micro
 # ---- EP ------------------------------------------------------------------------------------------------
 class ExpertParallelDispatcher(nn.Cell):
     """Dropless dispatch over `ep` expert-parallel ranks (experts split contiguously), with the dispatcher
-    interface of telechat_moe/moe/dispatch.py: dispatch(x, indices) -> (tokens sorted by expert, group sizes,
-    state); combine(expert_out, weights, state) -> weighted sum per token.
+    interface of telechat_moe/moe/dispatch.py: dispatch(x, indices, weights) -> (tokens sorted by expert, group
+    sizes, state); combine(expert_out, state) -> weighted sum per token.
 
     Dispatch is two permutations, as the All-to-All path does: token copies grouped by destination rank in
     token order (the send), then sorted by local expert on each rank (the receive). Combine applies the routing
@@ -129,19 +129,20 @@ class ExpertParallelDispatcher(nn.Cell):
         self.num_experts, self.top_k, self.ep = num_experts, top_k, ep
         self.per_rank = num_experts // ep
 
-    def dispatch(self, x, indices):
+    def dispatch(self, x, indices, weights):
         flat_expert = indices.reshape(-1)
         send = stable_order(flat_expert // self.per_rank)
         receive = stable_order(ops.gather(flat_expert, send, 0))
         order = ops.gather(send, receive, 0)
         tokens = ops.gather(x, order // self.top_k, 0)
-        return tokens, expert_group_sizes(flat_expert, self.num_experts), order
+        return tokens, expert_group_sizes(flat_expert, self.num_experts), (order, weights)
 
     def weights_in_dispatch_order(self, weights, order):
         """The routing weight of each dispatched row: the weights are permuted exactly as the tokens were."""
         return ops.gather(weights.reshape(-1), order, 0)
 
-    def combine(self, expert_out, weights, order):
+    def combine(self, expert_out, state):
+        order, weights = state
         t, k = weights.shape
         weighted = expert_out * ops.expand_dims(self.weights_in_dispatch_order(weights, order), -1).astype(
             expert_out.dtype)

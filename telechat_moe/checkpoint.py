@@ -11,6 +11,16 @@ Discovery takes only `step_<number>/` folders holding a `state.json`; anything e
 `step_best/`, another tool's files) is left alone with one warning line on stderr. A loaded `state.json` is checked
 against the fields its reader needs (`TRAINER_STATE` for the trainer's), so a `{}` or mistyped state is one line
 naming the file, not a KeyError later.
+
+Sharded parameters (expert parallelism splits the routed experts and their Adam moments along dim 0; tensor
+parallelism will split others along other dims) are saved as each rank's own slice, and the rank's `state.json`
+records `"shards": {name: [dim, offset, full]}` and `"world"` (how many ranks saved that step); a parameter not
+named there is replicated (every rank holds all of it). `resume_point` picks the newest step that every rank of the
+run that saved it completed. `load_checkpoint` given this run's layout (`shards`) takes a parameter laid out as it
+was saved from the rank's own file, and otherwise assembles the slice it needs from the ranks that saved the step
+(`<root>/rank_<r>/<step>/`, opening only the files that hold a part of it), so a resume with another number of
+ranks or another split computes the same function. Checkpoints older than these fields load as one rank's, nothing
+sharded.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ import math
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +94,89 @@ def latest_checkpoint(root: str | Path, rank: int) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(root: str | Path, rank: int, step: int, params: list[Parameter], state: dict, keep: int) -> Path:
+def _complete_steps(root: str | Path, rank: int) -> dict[int, Path]:
+    return {_step_of(p): p for p in list_checkpoints(root, rank)}
+
+
+def _saved_world(step_dir: Path) -> int | None:
+    """The number of ranks that saved this step, as its state.json says (1 where it predates the field), or None
+    where the file cannot tell (unreadable, not an object, a bad value): load_checkpoint then says what is wrong."""
+    try:
+        state = json.loads((step_dir / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    world = state.get("world", 1)
+    return world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None
+
+
+def resume_point(root: str | Path, rank: int) -> Path | None:
+    """The checkpoint folder `rank` resumes from: the newest step of rank 0 that every rank of the run that saved it
+    (rank_0 .. rank_<world-1>, world as its state.json records) holds complete; a newer step missing on some rank
+    is passed over for an older one. The rank's own folder of that step where it was one of the ranks that saved it,
+    else (this run has more ranks than that one) rank 0's: load_checkpoint takes the slices it needs from the
+    others. None where there is no such step."""
+    steps = {0: _complete_steps(root, 0)}
+    for step in sorted(steps[0], reverse=True):
+        first = steps[0][step]
+        world = _saved_world(first)
+        if world is None:  # unreadable: not judged here, load_checkpoint refuses it in one line
+            world = 1
+        for r in range(1, world):
+            if r not in steps:
+                steps[r] = _complete_steps(root, r)
+        if all(step in steps[r] for r in range(world)):
+            if rank == 0:
+                return first
+            own = steps[rank].get(step) if rank < world else _complete_steps(root, rank).get(step)
+            # a folder of that step left by another run (one with more ranks) is not this save's: rank 0's then
+            return own if own is not None and _saved_world(own) == _saved_world(first) else first
+    return None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank holds indices [offset, offset + local size) of dimension `dim` of a tensor whose global size along
+    that dimension is `full` (the local size is the parameter's own shape[dim])."""
+    dim: int
+    offset: int
+    full: int
+
+
+def _shard_problem(shard, shape: tuple) -> str | None:
+    """What is wrong with `shard` for a local tensor of `shape`, or None."""
+    if not isinstance(shard, Shard) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                               for v in (shard.dim, shard.offset, shard.full)):
+        return f"{shard!r} is not a Shard(dim, offset, full) of integers"
+    if not 0 <= shard.dim < len(shape):
+        return f"dim {shard.dim} of a tensor of shape {shape}"
+    if not 0 <= shard.offset <= shard.offset + shape[shard.dim] <= shard.full:
+        return (f"indices {shard.offset}..{shard.offset + shape[shard.dim]} of dim {shard.dim} are not inside "
+                f"its global size {shard.full}")
+    return None
+
+
+def save_checkpoint(root: str | Path, rank: int, step: int, params: list[Parameter], state: dict, keep: int,
+                    shards: dict[str, Shard] | None = None, world: int = 1) -> Path:
     """Write `step_<step>/` atomically. On failure the half-written folder is removed, the earlier checkpoints are
-    untouched (one of the same step too), and an OSError becomes a CheckpointError naming the folder and the cause."""
+    untouched (one of the same step too), and an OSError becomes a CheckpointError naming the folder and the cause.
+    `shards` names the parameters of which this rank holds a slice (the others are replicated); state.json records
+    them and `world`, the number of ranks saving this step. A wrong `shards` / `world` / a `state` with those keys
+    is the caller's bug: ValueError, before anything is written."""
+    tensors = {p.name: p.asnumpy() for p in params}
+    shards = dict(shards or {})
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"save_checkpoint: world={world!r}, expected a positive integer")
+    if "shards" in state or "world" in state:
+        raise ValueError("save_checkpoint: the state must not hold 'shards' or 'world'; they are the layout's")
+    for name, shard in shards.items():
+        if name not in tensors:
+            raise ValueError(f"save_checkpoint: shards names {name!r}, which is not among the parameters")
+        problem = _shard_problem(shard, tuple(tensors[name].shape))
+        if problem:
+            raise ValueError(f"save_checkpoint: shards[{name!r}]: {problem}")
+    state = {**state, "shards": {n: [s.dim, s.offset, s.full] for n, s in shards.items()}, "world": world}
     d = rank_dir(root, rank)
     final = d / f"step_{step:08d}"
     tmp = d / f".tmp_step_{step:08d}"
@@ -94,7 +185,7 @@ def save_checkpoint(root: str | Path, rank: int, step: int, params: list[Paramet
         d.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        write_safetensors(tmp / WEIGHTS, {p.name: p.asnumpy() for p in params}, {"format": "ms"})
+        write_safetensors(tmp / WEIGHTS, tensors, {"format": "ms"})
         with open(tmp / STATE, "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1)
             f.flush()
@@ -142,9 +233,148 @@ def _state_problem(state, fields: dict, where: str = "") -> str | None:
     return None
 
 
-def load_checkpoint(path: str | Path, params: list[Parameter], fields: dict | None = None) -> dict:
-    """Load weights into `params` (all of them must be present, with the same shapes) and return the state, which
-    must have `fields` (as TRAINER_STATE describes them) if given. Nothing is loaded unless everything checks."""
+def _layout(state, state_file: Path) -> tuple[int, dict[str, Shard]]:
+    """(world, shards) that a state.json records: (1, {}) where it predates them (or is no object: the trainer
+    state's own check says so); a malformed one is a CheckpointError naming the file."""
+    if not isinstance(state, dict):
+        return 1, {}
+    world, raw = state.get("world", 1), state.get("shards", {})
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointError(f"{state_file}: world is {world!r}, expected a positive integer")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{state_file}: shards is {type(raw).__name__}, expected an object of "
+                              f"name: [dim, offset, full]")
+    shards = {}
+    for name, meta in raw.items():
+        if not (isinstance(meta, list) and len(meta) == 3 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  and v >= 0 for v in meta)):
+            raise CheckpointError(f"{state_file}: shards of {name} is {meta!r}, expected [dim, offset, full]")
+        shards[name] = Shard(*meta)
+    return world, shards
+
+
+def checkpoint_layout(path: str | Path) -> tuple[int, dict[str, Shard]]:
+    """(world, shards) of a checkpoint folder: how many ranks saved it and which slice this folder holds of each
+    sharded parameter. CheckpointError where its state.json cannot be read or is malformed."""
+    state_file = Path(path) / STATE
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{state_file}: unreadable trainer state ({e.__class__.__name__})") from None
+    return _layout(state, state_file)
+
+
+def _with(shape: tuple, dim: int, size: int) -> tuple:
+    return shape[:dim] + (size,) + shape[dim + 1:]
+
+
+class _Step:
+    """The folders of one saved step, opened on demand: every rank's layout (state.json) and weights."""
+
+    def __init__(self, path: Path, world: int, stored: dict, shards: dict[str, Shard]):
+        self.path, self.world = path, world
+        self.root, self.name = path.parent.parent, path.name
+        number = path.parent.name[len("rank_"):]
+        self.own = int(number) if path.parent.name.startswith("rank_") and number.isdigit() else None
+        self.layouts: dict[int, dict[str, Shard]] = {}
+        self.stored: dict[int, dict] = {}
+        if self.own is not None:
+            self.layouts[self.own], self.stored[self.own] = shards, stored
+
+    def folder(self, rank: int) -> Path:
+        return rank_dir(self.root, rank) / self.name
+
+    def layout(self, rank: int, tensor: str) -> dict[str, Shard]:
+        if rank not in self.layouts:
+            d = self.folder(rank)
+            if not (d / WEIGHTS).is_file() or not (d / STATE).is_file():
+                raise CheckpointError(f"{d}: missing or incomplete (expected {WEIGHTS} and {STATE}); it holds a "
+                                      f"slice of {tensor}, which {self.world} ranks saved sharded")
+            world, shards = checkpoint_layout(d)
+            if world != self.world:
+                raise CheckpointError(f"{d / STATE}: saved by {world} ranks, {self.path / STATE} by {self.world}; "
+                                      f"they are not one save of {tensor}")
+            self.layouts[rank] = shards
+        return self.layouts[rank]
+
+    def weights(self, rank: int) -> dict:
+        if rank not in self.stored:
+            self.stored[rank] = read_safetensors(self.folder(rank) / WEIGHTS)[0]
+        return self.stored[rank]
+
+
+def _assemble(step: _Step, name: str, mine: np.ndarray, saved: Shard | None, want: Shard | None,
+              shape: tuple) -> np.ndarray:
+    """The slice `want` (the whole tensor if None) of a tensor saved as `saved` (replicated if None), of which the
+    checkpoint folder itself holds `mine`; `shape` is this run's local shape. Every check raises CheckpointError."""
+    weights = step.path / WEIGHTS
+    nd = len(shape)
+    if saved is not None:
+        problem = _shard_problem(saved, tuple(mine.shape))
+        if problem:
+            raise CheckpointError(f"{step.path / STATE}: shards of {name}: {problem}")
+    saved_global = tuple(mine.shape) if saved is None else _with(tuple(mine.shape), saved.dim, saved.full)
+    want_global = shape if want is None else _with(shape, want.dim, want.full)
+    if saved_global != want_global:
+        raise CheckpointError(f"{weights}: {name} has shape {saved_global}, this model expects {want_global}; it "
+                              f"was written by a model of another shape")
+    if saved is None:  # replicated: the folder's own copy holds every slice
+        return mine if want is None else mine[(slice(None),) * want.dim
+                                              + (slice(want.offset, want.offset + shape[want.dim]),)]
+    ds = saved.dim
+    lo, hi = (want.offset, want.offset + shape[ds]) if want is not None and want.dim == ds else (0, saved.full)
+    pieces = []  # (offset, rank) of every rank's slice, checked to be slices of one tensor
+    for r in range(step.world):
+        theirs = step.layout(r, name).get(name)
+        if theirs is None or theirs.dim != ds or theirs.full != saved.full:
+            said = "replicated" if theirs is None else f"[dim {theirs.dim}, offset {theirs.offset}, full {theirs.full}]"
+            raise CheckpointError(f"{step.folder(r) / STATE}: {name} is {said}, {step.path / STATE} has it sharded "
+                                  f"[dim {ds}, offset {saved.offset}, full {saved.full}]; the ranks disagree")
+        pieces.append((theirs.offset, r))
+    used, at = [], lo  # (rank, begin, end) along ds: the fewest files, this folder's own first
+    while at < hi:
+        candidates = sorted((p for p in pieces if p[0] <= at), key=lambda p: (-p[0], p[1] != step.own, p[1]))
+        for off, r in candidates:
+            pieces.remove((off, r))
+            arr = step.weights(r).get(name)
+            w = step.folder(r) / WEIGHTS
+            if arr is None:
+                raise CheckpointError(f"{w}: has no tensor {name!r}, of which {step.folder(r) / STATE} says it holds "
+                                      f"a slice")
+            if (arr.ndim != nd or _with(tuple(arr.shape), ds, saved.full) != saved_global or arr.dtype != mine.dtype
+                    or off + arr.shape[ds] > saved.full):
+                raise CheckpointError(f"{w}: {name} is {arr.dtype} {tuple(arr.shape)} at offset {off} of dim {ds}, "
+                                      f"not a slice of the {mine.dtype} {saved_global} that {weights} holds a part of")
+            if off + arr.shape[ds] > at:
+                end = min(hi, off + arr.shape[ds])
+                used.append((r, at, end))
+                at = end
+                break
+        else:
+            gap_end = min([hi] + [p[0] for p in pieces if p[0] > at])
+            raise CheckpointError(f"{step.root}: indices {at}..{gap_end} of dim {ds} of {name} are in none of the "
+                                  f"{step.world} ranks' {step.name} checkpoints")
+    out = np.empty(shape, mine.dtype)  # this run's local slice
+    for r, begin, end in used:
+        off = step.layouts[r][name].offset
+        src = [slice(None)] * nd
+        dst = [slice(None)] * nd
+        src[ds], dst[ds] = slice(begin - off, end - off), slice(begin - lo, end - lo)
+        if want is not None and want.dim != ds:
+            src[want.dim] = slice(want.offset, want.offset + shape[want.dim])
+        out[tuple(dst)] = step.weights(r)[name][tuple(src)]
+    return out
+
+
+def load_checkpoint(path: str | Path, params: list[Parameter], fields: dict | None = None,
+                    shards: dict[str, Shard] | None = None) -> dict:
+    """Load weights into `params` and return the state (without the layout fields that save_checkpoint added),
+    which must have `fields` (as TRAINER_STATE describes them) if given. `shards` is this run's layout (names not
+    among `params` are ignored): a parameter held as it was saved is read from `path`'s own file; one split another
+    way now (or saved whole and now split, or the other way round) is assembled from the slices of the ranks that
+    saved the step, `path`'s siblings `<root>/rank_<r>/<step>/`. Every parameter must be present with the same
+    global shape; a missing rank folder or slice is a CheckpointError naming it and the tensor. Nothing is loaded
+    unless everything checks."""
     path = Path(path)
     weights, state_file = path / WEIGHTS, path / STATE
     if not weights.is_file() or not state_file.is_file():
@@ -154,15 +384,31 @@ def load_checkpoint(path: str | Path, params: list[Parameter], fields: dict | No
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{state_file}: unreadable trainer state ({e.__class__.__name__})") from None
+    world, saved_shards = _layout(state, state_file)
+    shards = shards or {}
+    for p in params:
+        problem = _shard_problem(shards[p.name], tuple(p.shape)) if p.name in shards else None
+        if problem:
+            raise ValueError(f"load_checkpoint: shards[{p.name!r}]: {problem}")
+    step = _Step(path, world, stored, saved_shards)
+    loaded = {}
     for p in params:
         if p.name not in stored:
             raise CheckpointError(f"{weights}: has no tensor {p.name!r}; it was written by a different model")
-        if tuple(stored[p.name].shape) != tuple(p.shape):
-            raise CheckpointError(f"{weights}: {p.name} has shape {tuple(stored[p.name].shape)}, this model "
-                                  f"expects {tuple(p.shape)}; it was written by a model of another shape")
+        saved, want, shape = saved_shards.get(p.name), shards.get(p.name), tuple(p.shape)
+        # laid out as saved (a Shard does not say its local size: the shapes too), or replicated both times
+        if saved is want is None or saved == want and tuple(stored[p.name].shape) == shape:
+            if tuple(stored[p.name].shape) != shape:
+                raise CheckpointError(f"{weights}: {p.name} has shape {tuple(stored[p.name].shape)}, this model "
+                                      f"expects {shape}; it was written by a model of another shape")
+            loaded[p.name] = stored[p.name]
+        else:
+            loaded[p.name] = _assemble(step, p.name, stored[p.name], saved, want, shape)
     problem = _state_problem(state, fields or {})
     if problem:
         raise CheckpointError(f"{state_file}: not a trainer state ({problem})")
     for p in params:
-        p.set_data(Tensor(np.array(stored[p.name])).astype(p.dtype))  # a copy: the file is mapped read-only
+        p.set_data(Tensor(np.array(loaded[p.name])).astype(p.dtype))  # a copy: the file is mapped read-only
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if k not in ("shards", "world")}
     return state

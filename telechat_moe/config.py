@@ -16,7 +16,6 @@ from telechat_moe.errors import require
 
 # The planner prices all three schemes; training builds only the local one (telechat_moe/moe/dispatch.py).
 DISPATCHERS = ("local", "alltoall", "hierarchical")
-TRAINABLE_DISPATCHERS = ("local",)
 
 
 @dataclass
@@ -67,8 +66,12 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = True
     moe_router_bias_update_rate: float = 1e-3
     moe_aux_loss_coeff: float = 1e-3          # sequence-level auxiliary loss
+    moe_device_aux_loss_coeff: float = 0.0    # device-level (EP-group) balance loss, DeepSeek-V2 (0: off)
     moe_z_loss_coeff: float = 0.0
-    moe_token_dispatcher_type: str = "local"  # local | alltoall | hierarchical (the last two: planner only)
+    # how token copies reach experts on other ranks when expert_parallel > 1: alltoall | hierarchical (local: all
+    # experts on every rank, expert_parallel=1 only); at expert_parallel=1 every kind is the one-device dispatcher
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_comm_chunks: int = 1                  # token slices whose exchanges can overlap other slices' experts
 
     # Multi-token prediction
     num_nextn_predict_layers: int = 1
@@ -130,6 +133,10 @@ class ModelConfig:
         require(self.moe_token_dispatcher_type in DISPATCHERS,
                  f"model.moe_token_dispatcher_type: expected one of {', '.join(DISPATCHERS)}, "
                  f"got {self.moe_token_dispatcher_type!r}")
+        require(isinstance(self.moe_comm_chunks, int) and self.moe_comm_chunks >= 1
+                and self.seq_length % self.moe_comm_chunks == 0,
+                f"model.moe_comm_chunks: expected a positive divisor of seq_length={self.seq_length}, "
+                f"got {self.moe_comm_chunks!r}")
         require(self.attention_kernel in ("dense", "varlen"),
                  f"model.attention_kernel: expected dense or varlen, got {self.attention_kernel!r}")
         require(self.scoring_func in ("sigmoid", "softmax"),
@@ -163,6 +170,8 @@ class ModelConfig:
                  f"model.seq_length: {self.seq_length} exceeds max_position_embeddings="
                  f"{self.max_position_embeddings} without YaRN (rotary_scaling_factor > 1)")
         require(self.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {self.mtp_loss_factor}")
+        require(self.moe_device_aux_loss_coeff >= 0,
+                 f"model.moe_device_aux_loss_coeff: expected >= 0, got {self.moe_device_aux_loss_coeff}")
 
     def to_model_shape(self):
         """The planner's own description of this model (a plain dataclass of parallel/, which imports nothing from

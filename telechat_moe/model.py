@@ -14,6 +14,7 @@ from dvm_fusion.grouped_matmul import grouped_matmul_for
 from telechat_moe.config import ModelConfig
 from telechat_moe.layers import Embedding, Linear, RMSNorm, SwiGLU, logsumexp, ms_dtype
 from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
+from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.layer import MoELayer
 from telechat_moe.mtp import MTPBlock
 
@@ -25,14 +26,15 @@ def pipeline_cell_names():
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, index: int, grouped_matmul, device_target: str = "CPU"):
+    def __init__(self, cfg: ModelConfig, index: int, grouped_matmul, device_target: str = "CPU",
+                 ep: ExpertParallel = ExpertParallel()):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MultiLatentAttention(cfg, device_target)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, grouped_matmul)
+            self.mlp = MoELayer(cfg, grouped_matmul, index, ep)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
                               ms_dtype(cfg.compute_dtype))
@@ -55,18 +57,19 @@ class DecoderLayer(nn.Cell):
 
 
 class TeleChatMoE(nn.Cell):
-    def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU", ep: ExpertParallel = ExpertParallel()):
+        """`ep`: this rank's share of the routed experts and its exchanges (the default: every expert here)."""
         super().__init__()
         self.cfg = cfg
         gmm = grouped_matmul_for(device_target)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
-        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The head computes in float32 (logits feed the softmax) and runs as its own cell, so a pipeline plan
         # that gives lm_head a stage moves its matmul there, not only its weight.
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, ms.float32)
-        self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target))
+        self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep))
                                 for d in range(cfg.num_nextn_predict_layers)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)

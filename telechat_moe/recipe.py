@@ -16,7 +16,7 @@ import yaml
 
 from parallel.layout import (MINDFORMERS_KEYS, LayoutError, ParallelLayout, experts_split, global_batch_splits,
                              heads_split, layers_fill_chunks)
-from telechat_moe.config import TRAINABLE_DISPATCHERS, ModelConfig
+from telechat_moe.config import ModelConfig
 from telechat_moe.errors import RecipeError, require
 
 # Names users bring from other frameworks, pointed at ours.
@@ -397,13 +397,13 @@ def check_trainable(r: Recipe, processes: int) -> None:
     dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
     communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
     p, m = r.parallel_config, r.model
-    require(r.context.device_target != "CPU" or
-             (p.model_parallel, p.pipeline_stage, p.expert_parallel, p.context_parallel) == (1, 1, 1, 1),
-             "parallel_config: on CPU only data_parallel runs (tensor, pipeline, expert and context parallelism "
-             "need the Ascend engine); use --dry-run to plan this layout")
-    require(m.moe_token_dispatcher_type in TRAINABLE_DISPATCHERS,
-             f"model.moe_token_dispatcher_type: {m.moe_token_dispatcher_type!r} is for planning (--dry-run, "
-             f"telechat_moe.plan); training builds only {', '.join(TRAINABLE_DISPATCHERS)}")
+    for key, degree in (("model_parallel", p.model_parallel), ("pipeline_stage", p.pipeline_stage),
+                        ("context_parallel", p.context_parallel), ("expert_model_parallel", p.expert_model_parallel)):
+        require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data and expert parallelism "
+                             f"are); use --dry-run to plan this layout")
+    require(p.expert_parallel == 1 or m.moe_token_dispatcher_type != "local",
+             f"model.moe_token_dispatcher_type: 'local' keeps every expert on every rank; expert_parallel="
+             f"{p.expert_parallel} needs alltoall or hierarchical")
     world = r.layout.world_size
     devices = f"{world} device{'s' if world > 1 else ''}"
     launched = f"{processes} process{'es were' if processes > 1 else ' was'} launched"

@@ -19,6 +19,7 @@ from telechat_moe.layers import RMSNorm, SwiGLU
 from telechat_moe.mla import apply_rope, attention_bias, dense_causal_attention, rope_tables
 from telechat_moe.optim import build_adamw
 from telechat_moe.model import TeleChatMoE
+from parallel.ep.permute import stable_order
 from telechat_moe.moe.dispatch import LocalDispatcher
 from telechat_moe.moe.router import TopKRouter
 
@@ -52,9 +53,9 @@ def model_router(x, weight, bias):
 
 def model_dispatch_combine(x, indices, weights, expert_scale):
     dispatcher = LocalDispatcher(expert_scale.shape[0], indices.shape[1])
-    tokens, _, state = dispatcher.dispatch(x, indices)
-    expert_of_row = ops.gather(indices.reshape(-1), state[0], 0)
-    return dispatcher.combine(tokens * ops.gather(expert_scale, expert_of_row, 0), weights, state).astype(x.dtype)
+    tokens, _, state = dispatcher.dispatch(x, indices, weights)
+    expert_of_row = ops.gather(indices.reshape(-1), stable_order(indices.reshape(-1)), 0)
+    return dispatcher.combine(tokens * ops.gather(expert_scale, expert_of_row, 0), state).astype(x.dtype)
 
 
 def model_swiglu(x, w_gate, w_up, w_down):

@@ -1,24 +1,35 @@
 """Routed experts: SwiGLU per expert over token groups sorted by expert, through one grouped-matmul kernel.
 
-Weights are stacked per expert, gate and up fused: w1 [E, h, 2*I], w2 [E, I, h]. The kernel is injected
-(CPU hand-written kernel or Ascend GroupedMatmul, both dropless with the same contract), so fused or
-communication-overlapped expert kernels can replace it without touching routing or dispatch.
+Weights are stacked per expert, gate and up fused: w1 [E, h, 2*I], w2 [E, I, h], where E is the experts this rank
+holds (all of them, or its expert-parallel share [first, last)). Each expert's initial weights are drawn from a
+generator of its own, seeded by (seed, layer, expert), so an expert starts the same whichever rank holds it and a
+run at any expert_parallel computes the same function as one process. The kernel is injected (CPU hand-written
+kernel or Ascend GroupedMatmul, both dropless with the same contract), so fused or communication-overlapped expert
+kernels can replace it without touching routing or dispatch.
 """
 from __future__ import annotations
 
+import numpy as np
 import mindspore as ms
-from mindspore import Parameter, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore import Parameter, Tensor, nn, ops
+
+
+def expert_init(seed: int, layer: int, first: int, last: int, shape: tuple, std: float, which: int) -> np.ndarray:
+    """Normal(0, std) weights of experts [first, last), each from its own generator."""
+    return np.stack([np.random.default_rng((seed, layer, e, which)).normal(0.0, std, shape).astype(np.float32)
+                     for e in range(first, last)])
 
 
 class GroupedExperts(nn.Cell):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, init_std: float, grouped_matmul,
-                 compute_dtype=ms.float32):
+    def __init__(self, experts: tuple[int, int], hidden: int, intermediate: int, init_std: float, grouped_matmul,
+                 compute_dtype=ms.float32, layer: int = 0):
         super().__init__()
+        first, last = experts
+        seed = ms.get_seed() or 0
         self.intermediate = intermediate
-        self.w1 = Parameter(initializer(Normal(init_std), (num_experts, hidden, 2 * intermediate), ms.float32),
+        self.w1 = Parameter(Tensor(expert_init(seed, layer, first, last, (hidden, 2 * intermediate), init_std, 1)),
                             name="w1")
-        self.w2 = Parameter(initializer(Normal(init_std), (num_experts, intermediate, hidden), ms.float32),
+        self.w2 = Parameter(Tensor(expert_init(seed, layer, first, last, (intermediate, hidden), init_std, 2)),
                             name="w2")
         self.grouped_matmul = grouped_matmul
         self.compute_dtype = compute_dtype

@@ -1,5 +1,6 @@
 """Top-k token-choice router: sigmoid or softmax scores, optional group-limited choice, an expert bias for
-aux-loss-free balancing, a sequence-level auxiliary loss and an optional z-loss.
+aux-loss-free balancing, a sequence-level auxiliary loss, an optional device-level (EP-group) balance loss and an
+optional z-loss.
 
 The expert bias only changes which experts are chosen, never the combine weights, and it is not trained by the
 gradient: `update_expert_bias` moves it after each step towards equal load (DeepSeek-V3's rule).
@@ -16,10 +17,17 @@ from telechat_moe.layers import logsumexp
 
 
 class TopKRouter(nn.Cell):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, expert_groups: int = 1):
+        """`expert_groups` (D): the expert-parallel degree; the device-level balance loss treats experts
+        [d*E/D, (d+1)*E/D) as the group on rank d of the EP group."""
         super().__init__()
         e = cfg.n_routed_experts
+        if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
+                or expert_groups < 1 or e % expert_groups:
+            raise ValueError(f"expert_groups: expected a positive divisor of n_routed_experts={e}, "
+                             f"got {expert_groups!r}")
         self.cfg = cfg
+        self.expert_groups = int(expert_groups)
         self.num_experts, self.top_k = e, cfg.num_experts_per_tok
         self.weight = Parameter(initializer(Normal(cfg.initializer_range), (e, cfg.hidden_size), ms.float32),
                                 name="weight")
@@ -61,6 +69,8 @@ class TopKRouter(nn.Cell):
         selected = ops.one_hot(indices, self.num_experts, self.on_value, self.off_value).sum(1)  # [T, E]
         load = selected.sum(0)
         aux = self._sequence_aux_loss(scores, selected, batch)
+        if self.cfg.moe_device_aux_loss_coeff > 0:
+            aux = aux + self._device_aux_loss(scores, load)
         z = self.zero
         if self.cfg.moe_z_loss_coeff > 0:
             z = ops.mean(ops.square(logsumexp(logits, -1))) * self.cfg.moe_z_loss_coeff
@@ -75,6 +85,19 @@ class TopKRouter(nn.Cell):
         normed = scores / (scores.sum(-1, keepdims=True) + 1e-20)
         p = normed.reshape(batch, seq, e).mean(1)
         return (f * p).sum(-1).mean() * self.cfg.moe_aux_loss_coeff
+
+    def _device_aux_loss(self, scores, load):
+        """alpha_2 * sum_d f'_d * P'_d over the D expert groups, on the whole micro-batch (DeepSeek-V2, eq. 15-17):
+        f'_d the mean of f_e = E / (k T) * load_e over group d's experts (a count, no gradient), P'_d the sum over
+        them of P_e, the mean over the T tokens of the normalised score (as in the sequence-level loss)."""
+        t = scores.shape[0]
+        e, k, d = self.num_experts, self.top_k, self.expert_groups
+        f = ops.stop_gradient(load) * (e / (k * t))
+        normed = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+        p = normed.mean(0)
+        f_group = f.reshape(d, e // d).mean(-1)
+        p_group = p.reshape(d, e // d).sum(-1)
+        return (f_group * p_group).sum() * self.cfg.moe_device_aux_loss_coeff
 
 
 def expert_bias_delta(load: np.ndarray, rate: float) -> np.ndarray:

@@ -1,0 +1,105 @@
+"""Collectives as Cells with their gradients, usable inside graph mode (Megatron-Core's mappings).
+
+Each Cell wraps one transport (one group). Forward and backward are each one collective:
+
+| Cell | forward | backward | used for |
+| --- | --- | --- | --- |
+| `CopyToGroup` | identity | all-reduce | input of a column-parallel layer |
+| `ReduceFromGroup` | all-reduce | identity | output of a row-parallel layer |
+| `AllReduce` | all-reduce | all-reduce | a sum every rank's loss depends on |
+| `GatherFromGroup` | all-gather (axis 0) | reduce-scatter | sequence-parallel input of a column-parallel layer |
+| `ReduceScatterToGroup` | reduce-scatter (axis 0) | all-gather | sequence-parallel output of a row-parallel layer |
+| `AllToAll` | all-to-all (axis 0) | all-to-all | expert dispatch and combine |
+| `AllToAllV` | all-to-all of capacity-padded chunks and of their counts | all-to-all | dropless expert dispatch |
+| `Broadcast` | root's value to all | sum to the root | replicated state |
+
+The gradient conventions are those of a sum of the members' losses: the backward of an all-gather sums, at each
+rank, the gradients every member's loss sends to that rank's slot.
+"""
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import nn, ops
+
+
+class _Collective(nn.Cell):
+    def __init__(self, transport):
+        super().__init__()
+        self.t = transport
+
+
+class CopyToGroup(_Collective):
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (self.t.all_reduce(dout),)
+
+
+class ReduceFromGroup(_Collective):
+    def construct(self, x):
+        return self.t.all_reduce(x)
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+class AllReduce(_Collective):
+    def construct(self, x):
+        return self.t.all_reduce(x)
+
+    def bprop(self, x, out, dout):
+        return (self.t.all_reduce(dout),)
+
+
+class GatherFromGroup(_Collective):
+    def construct(self, x):
+        return self.t.all_gather(x)
+
+    def bprop(self, x, out, dout):
+        return (self.t.reduce_scatter(dout),)
+
+
+class ReduceScatterToGroup(_Collective):
+    def construct(self, x):
+        return self.t.reduce_scatter(x)
+
+    def bprop(self, x, out, dout):
+        return (self.t.all_gather(dout),)
+
+
+class AllToAll(_Collective):
+    def construct(self, x):
+        return self.t.all_to_all(x)
+
+    def bprop(self, x, out, dout):
+        return (self.t.all_to_all(dout),)
+
+
+class AllToAllV(_Collective):
+    """Dropless exchange with per-destination counts in a static-shape graph: `x` [g * capacity, ...] holds
+    `counts[j]` valid rows for rank j at rows [j*capacity, j*capacity + counts[j]) (the rest padding); returns the
+    received rows in the same layout (rows from rank j at [j*capacity, ...)) and the received counts [g]. The
+    capacity is the most any source can send one destination, so no token is ever dropped; the padding moves too
+    (graph mode on MindSpore needs static shapes), and only valid rows carry gradients."""
+
+    def construct(self, x, counts):
+        received = self.t.all_to_all(x)
+        recv_counts = self.t.all_to_all(counts.astype(ms.float32)).astype(counts.dtype)
+        return received, ops.stop_gradient(recv_counts)
+
+    def bprop(self, x, counts, out, dout):
+        return self.t.all_to_all(dout[0]), ops.zeros_like(counts)
+
+
+class Broadcast(_Collective):
+    def __init__(self, transport, root: int = 0):
+        super().__init__(transport)
+        self.root = root
+
+    def construct(self, x):
+        return self.t.broadcast(x, self.root)
+
+    def bprop(self, x, out, dout):
+        total = self.t.all_reduce(dout)
+        return (total if self.t.group.index == self.root else ops.zeros_like(dout),)
