@@ -9,6 +9,8 @@ telechat_moe; the planner describes a model by its own `ModelShape`, which `to_m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, fields
 
@@ -172,6 +174,12 @@ class ModelConfig:
         require(self.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {self.mtp_loss_factor}")
         require(self.moe_device_aux_loss_coeff >= 0,
                  f"model.moe_device_aux_loss_coeff: expected >= 0, got {self.moe_device_aux_loss_coeff}")
+
+    def function(self) -> dict:
+        """The fields that define the function the model computes: all but how tokens travel to experts, which a
+        run may change without changing a result (tensor dumps hash this, so runs of any dispatcher align)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("moe_token_dispatcher_type", "moe_comm_chunks")}
 
     def to_model_shape(self):
         """The planner's own description of this model (a plain dataclass of parallel/, which imports nothing from

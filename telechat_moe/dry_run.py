@@ -1,7 +1,7 @@
 """What a recipe costs before anything is allocated: parameters, FLOPs per token, memory per device."""
 from __future__ import annotations
 
-from parallel.planner.model_shape import flops_per_token, parameter_breakdown, training_memory
+from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
 from telechat_moe.recipe import Recipe
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -24,6 +24,7 @@ def report(r: Recipe) -> str:
     params = parameter_breakdown(shape)
     flops = flops_per_token(shape)
     mem = static_memory(r)
+    per_device = stage_parameters(shape, r.layout)[mem["stage"]]
     lines = [f"recipe {r.name}: layout {r.layout.describe()}", "parameters:"]
     for key in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "mtp",
                 "head"):
@@ -32,6 +33,8 @@ def report(r: Recipe) -> str:
               f"  {'active':<16}{params['active'] / 1e9:>12.3f} B   (without MTP {params['active_without_mtp'] / 1e9:.3f} B)",
               f"training FLOPs per token at seq {r.model.seq_length}: {flops['training'] / 1e9:.2f} GFLOP "
               f"(without MTP {flops['training_without_mtp'] / 1e9:.2f})",
+              f"parameters per device (stage {mem['stage']}): {per_device['dense'] + per_device['expert']:,.0f}, of "
+              f"them {per_device['expert']:,.0f} in routed experts (1/{r.layout.ep * r.layout.etp} of each layer's)",
               f"memory per device (heaviest stage {mem['stage']}, params {r.model.params_dtype}, "
               f"optimizer sharded: {r.parallel_config.optimizer_shard}):",
               f"  weights    {mem['weights'] / GIB:10.2f} GiB",

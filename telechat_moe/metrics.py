@@ -57,12 +57,15 @@ class StepLogger:
         recent = times[-20:]
         return float(np.mean(recent)) if recent else float("nan")
 
-    def log(self, step: int, values: dict, expert_load: np.ndarray | None = None, console: bool = True) -> dict:
+    def log(self, step: int, values: dict, expert_load: np.ndarray | None = None, console: bool = True,
+            scalars: dict | None = None) -> dict:
+        """`values` go to the step line, metrics.jsonl and TensorBoard; `scalars` (e.g. the expert traffic) to the
+        last two only."""
         dt = self._steady_step_time()
         tokens_per_s = self.tokens_per_step / dt
         mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.devices)
-        record = {"step": step, **{k: float(v) for k, v in values.items()}, "tokens_per_s": tokens_per_s,
-                  "mfu": mfu, "step_time_s": dt}
+        record = {"step": step, **{k: float(v) for k, v in {**values, **(scalars or {})}.items()},
+                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt}
         if self.jsonl is None:
             return record
         self.jsonl.write(json.dumps(record) + "\n")

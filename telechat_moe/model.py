@@ -15,7 +15,7 @@ from telechat_moe.config import ModelConfig
 from telechat_moe.layers import Embedding, Linear, RMSNorm, SwiGLU, logsumexp, ms_dtype
 from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
 from telechat_moe.moe.dispatch import ExpertParallel
-from telechat_moe.moe.layer import MoELayer
+from telechat_moe.moe.layer import ROUTING_STATS, MoELayer
 from telechat_moe.mtp import MTPBlock
 
 
@@ -39,10 +39,11 @@ class DecoderLayer(nn.Cell):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
                               ms_dtype(cfg.compute_dtype))
         self.zero = Tensor(0.0, ms.float32)
-        self.no_load = Tensor(np.zeros(cfg.n_routed_experts, np.float32))
+        self.no_load = Tensor(np.zeros(cfg.n_routed_experts + ROUTING_STATS, np.float32))
 
     def construct(self, x, cos, sin, mask):
-        """-> (hidden, aux loss, z loss, expert load); dense layers report zero losses and load."""
+        """-> (hidden, aux loss, z loss, routing statistics: expert load and dispatch traffic); dense layers
+        report zero losses and statistics."""
         return self.ffn_block(self.attention_block(x, cos, sin, mask))
 
     # the two residual sublayers, apart so that tensor dumps can hold the stream between them

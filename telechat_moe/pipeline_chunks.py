@@ -6,6 +6,8 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from telechat_moe.moe.layer import ROUTING_STATS
+
 
 class LayerChunk(nn.Cell):
     """Decoder layers [start, end) of the model; chunk 0 also embeds. Activations: (hidden, aux, z)."""
@@ -34,8 +36,9 @@ class HeadAndLoss(nn.Cell):
     def construct(self, acts, side):
         h, aux, z = acts
         labels, mask, cos, sin, bias = side
-        # head_losses stacks the expert loads, which no loss reads: one zero row keeps a model without MTP stackable
-        no_load = ops.zeros(self.model.cfg.n_routed_experts, ms.float32)
+        # head_losses stacks the routing statistics, which no loss reads: one zero row keeps a model without MTP
+        # stackable
+        no_load = ops.zeros(self.model.cfg.n_routed_experts + ROUTING_STATS, ms.float32)
         return self.model.head_losses(h, labels, mask, cos, sin, bias, aux, z, [no_load])[0]
 
 

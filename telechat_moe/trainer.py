@@ -23,10 +23,13 @@ from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
 from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
+from parallel.comm import AllReduce, ProcessGroups, transport_for
+from parallel.ep.traffic import STEP_MULTIPLIER
 from parallel.layout import Axis
-from telechat_moe.checkpoint import latest_checkpoint, load_checkpoint, preflight, save_checkpoint
+from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.metrics import StepLogger, Timer, info
 from telechat_moe.model import TeleChatMoE
+from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.router import expert_bias_delta
 from telechat_moe.optim import build_adamw, lr_at
 from telechat_moe.recipe import Recipe
@@ -53,24 +56,57 @@ class ForwardBackward(nn.Cell):
 
 
 class PrepareGradients(nn.Cell):
-    """Unscale, average over data-parallel ranks, measure the global norm and clip."""
+    """Unscale, average over the global batch, measure the global norm and clip. A dense (replicated) gradient is
+    summed over the data-parallel group; a routed expert's already holds its EP group's tokens (the all-to-all's
+    backward brought them) and is summed over the expert-data-parallel group, the ranks holding the same experts.
+    Both are divided by dp, as the loss is each data-parallel rank's mean. The norm adds the expert shards' squares
+    over the EP group, so it is the norm of the whole model's gradient."""
 
-    def __init__(self, weights: ParameterTuple, dp: int, clip: float):
+    def __init__(self, weights: ParameterTuple, dp: int, clip: float, comm: "GradientGroups"):
         super().__init__(auto_prefix=False)
         self.map = ops.HyperMap()
-        self.reducer = nn.DistributedGradReducer(weights, mean=True, degree=dp) if dp > 1 else None
+        self.expert = tuple(is_routed_expert(w.name) for w in weights)
+        self.dense_sum = AllReduce(comm.dp)
+        self.expert_sum = AllReduce(comm.edp)
+        self.shard_sum = AllReduce(comm.ep)
+        self.dp = dp
         self.clip = clip
 
     def construct(self, grads, grad_scale):
-        grads = self.map(ops.partial(ops.mul, grad_scale), grads)
-        if self.reducer is not None:
-            grads = self.reducer(grads)
-        norm = ops.sqrt(ops.addn(self.map(lambda_sum_squares, grads)))
+        reduced = ()
+        dense_sq, expert_sq = ops.zeros((), ms.float32), ops.zeros((), ms.float32)
+        for i in range(len(grads)):
+            if self.expert[i]:
+                g = self.expert_sum(grads[i] * grad_scale) / self.dp
+                expert_sq = expert_sq + lambda_sum_squares(g)
+            else:
+                g = self.dense_sum(grads[i] * grad_scale) / self.dp
+                dense_sq = dense_sq + lambda_sum_squares(g)
+            reduced = reduced + (g,)
+        norm = ops.sqrt(dense_sq + self.shard_sum(expert_sq))
         finite = ops.isfinite(norm)
         if self.clip > 0:
             factor = self.clip / ops.maximum(norm, self.clip)
-            grads = self.map(ops.partial(ops.mul, factor), grads)
-        return grads, norm, finite
+            reduced = self.map(ops.partial(ops.mul, factor), reduced)
+        return reduced, norm, finite
+
+
+@dataclass
+class GradientGroups:
+    """The transports gradients are reduced on: data-parallel, expert-data-parallel and expert-parallel groups."""
+    dp: object
+    edp: object
+    ep: object
+
+    @classmethod
+    def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
+        groups = ProcessGroups(layout, rank)
+        return cls(*(transport_for(groups.axis(a), device_target) for a in (Axis.DP, Axis.EDP, Axis.EP)))
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's weight, or one of its optimizer moments: sharded over the EP group along dim 0."""
+    return ".experts." in f".{name}"
 
 
 def lambda_sum_squares(g):
@@ -236,15 +272,18 @@ class Trainer:
              f"{len(self.data.held_out) if self.data.held_out else 0} held-out, vocab "
              f"{self.data.tokenizer.vocab_size} ({tm.seconds:.1f}s)", self.main)
 
-        self.model = TeleChatMoE(cfg, recipe.context.device_target)
+        device = recipe.context.device_target
+        self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device)
+        self.model = TeleChatMoE(cfg, device, self.ep)
         self.model.set_recompute(recipe.recompute_config.mode)
         o = recipe.optimizer
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
         # Gradients must come in the optimizer's order, which groups decayed parameters first.
         self.weights = self.optimizer.parameters
         self.forward_backward = ForwardBackward(self.model, self.weights)
+        self.groups = GradientGroups.of(recipe.layout, rank, device)
         self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, p.data_parallel,
-                                                                           o.grad_clip),
+                                                                           o.grad_clip, self.groups),
                                     self.optimizer, p.micro_batch_num)
         self.sum_over_ranks = OverRanks(ops.AllReduce()) if p.data_parallel > 1 else None
         self.evaluate = Evaluate(self.model)
@@ -268,7 +307,9 @@ class Trainer:
         self.logger = StepLogger(self.out / "logs", self.main, t.train_steps, t.global_batch_size * cfg.seq_length,
                                  flops_per_token(shape)["training"], peak_flops, world)
         n_params = sum(w.size for w in self.weights)
-        info(f"[model] {n_params:,} trainable parameters; layout {recipe.layout.describe()}; "
+        n_experts = sum(w.size for w in self.weights if is_routed_expert(w.name))
+        info(f"[model] {n_params:,} trainable parameters on this rank ({n_experts:,} in its routed experts "
+             f"{self.ep.experts(cfg.n_routed_experts)}); layout {recipe.layout.describe()}; "
              f"peak {peak_flops / 1e9:.1f} GFLOP/s per device for MFU", self.main)
 
     # -- tensor dumps (precision/) --
@@ -279,7 +320,7 @@ class Trainer:
         from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
         self.layer_outputs = LayerOutputs(self.model)
         self.gather_over_ranks = OverRanks(ops.AllGather()) if self.sum_over_ranks is not None else None
-        meta = {"model_config_hash": config_hash(self.r.model), "layout": layout_meta(self.r.layout),
+        meta = {"model_config_hash": config_hash(self.r.model.function()), "layout": layout_meta(self.r.layout),
                 "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
         return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
                           steps=parse_steps(t.dump_steps, "training.dump_steps"), rank=self.rank)
@@ -305,9 +346,24 @@ class Trainer:
         names = [p.name for p in self.weights]
         opt = self.optimizer
         records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
-        records += grad_records(names, grads)
-        records += optimizer_records({"adam_m": list(opt.exp_avg), "adam_v": list(opt.exp_avg_sq)}, names)
+        # the whole model's tensors: a routed expert's gathered from the EP group, so any layout aligns with any
+        records += grad_records(names, [self._whole(n, g) for n, g in zip(names, grads)])
+        records += optimizer_records({"adam_m": [self._whole(n, m) for n, m in zip(names, opt.exp_avg)],
+                                      "adam_v": [self._whole(n, v) for n, v in zip(names, opt.exp_avg_sq)]}, names)
         self.dumper.write(step, records)
+
+    def _whole(self, name: str, tensor):
+        if self.ep.ep == 1 or not is_routed_expert(name):
+            return tensor
+        return self.groups.ep.all_gather(tensor)
+
+    def _shards(self) -> dict:
+        """The routed experts' slices this rank checkpoints (dim 0 over the EP group); nothing at ep=1."""
+        if self.ep.ep == 1:
+            return {}
+        e = self.r.model.n_routed_experts
+        first, _ = self.ep.experts(e)
+        return {p.name: Shard(0, first, e) for p in self._all_params() if is_routed_expert(p.name)}
 
     # -- data --
     def _prepare_data(self):
@@ -354,16 +410,17 @@ class Trainer:
         state = {"step": self.step, "data": self.loader.state_dict(), "loss_scale": self.scaler.scale,
                  "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed, "recipe": self.r.name}
         path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, self._all_params(), state,
-                               self.r.training.keep_checkpoints)
+                               self.r.training.keep_checkpoints, shards=self._shards(), world=self.world)
         info(f"[ckpt] saved {path}", self.main)
 
     def resume(self) -> bool:
-        path = latest_checkpoint(self.out / "checkpoints", self.rank)
+        path = resume_point(self.out / "checkpoints", self.rank)
         if path is None:
             info("[ckpt] --resume: no checkpoint found, starting from step 0", self.main)
             return False
         from telechat_moe.checkpoint import TRAINER_STATE
-        state = load_checkpoint(path, self._all_params(), TRAINER_STATE)  # a {} or mistyped state: one line
+        # a {} or mistyped state is one line; expert shards saved at another expert_parallel are resharded
+        state = load_checkpoint(path, self._all_params(), TRAINER_STATE, shards=self._shards())
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.scaler.scale = float(state["loss_scale"])
@@ -391,8 +448,10 @@ class Trainer:
         if dumping:
             grads = out[8]
         self.scaler.update(finite)
-        if self.sum_over_ranks is not None:
+        if self.sum_over_ranks is not None:    # every rank's routing: the global expert load and traffic
             loads = self.sum_over_ranks(Tensor(loads)).asnumpy()
+        e = self.r.model.n_routed_experts
+        loads, self.traffic = loads[:, :e], loads[:, e:].sum(0)
         if self.move_biases is not None:
             delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)
             self.move_biases(tuple(Tensor(d, b.dtype) for b, d in zip(self.biases, delta)))
@@ -417,6 +476,17 @@ class Trainer:
             return local
         return self.sum_over_ranks(Tensor(np.asarray(local, np.float32))).asnumpy().astype(np.float64) / self.world
 
+    def _traffic_bytes(self) -> dict:
+        """Bytes the step's expert all-to-alls moved across and inside nodes, for the flat and the hierarchical
+        scheme, from every rank's routing (dispatch and combine, forward and backward)."""
+        if self.ep.ep == 1:
+            return {}
+        cfg = self.r.model
+        per_copy = cfg.hidden_size * (4 if cfg.compute_dtype == "float32" else 2) * STEP_MULTIPLIER
+        names = ("ep_inter_node_bytes_flat", "ep_intra_node_bytes_flat", "ep_inter_node_bytes_hierarchical",
+                 "ep_intra_node_bytes_hierarchical")
+        return {name: float(copies) * per_copy for name, copies in zip(names, self.traffic)}
+
     def learning_rate(self, step: int) -> float:
         o, sched = self.r.optimizer, self.r.lr_schedule
         decay = sched.decay_steps or self.r.training.train_steps
@@ -431,6 +501,8 @@ class Trainer:
         # up to the one-process loss whether or not dp divides B.
         rows = min(len(held), self.r.training.global_batch_size)
         dp = self.r.parallel_config.data_parallel
+        if self.ep.ep > 1:      # the expert exchanges are collectives of equal shapes: as many rows on every rank
+            rows -= rows % dp
         lo, hi = self.dp_rank * rows // dp, (self.dp_rank + 1) * rows // dp
         loader = BatchLoader(held, rows, self.r.seed)
         n = min(self.r.training.eval_batches, loader.batches_per_epoch)
@@ -470,7 +542,7 @@ class Trainer:
                 self.step += 1
                 done = self.step == t.train_steps
                 if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
-                    last = self.logger.log(self.step, values, loads)
+                    last = self.logger.log(self.step, values, loads, scalars=self._traffic_bytes())
                 if (t.eval_interval and self.step % t.eval_interval == 0) or done:
                     eval_loss = self.held_out_loss()
                     if eval_loss is not None:

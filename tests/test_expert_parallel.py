@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
 import pytest
+from safetensors.numpy import load_file
 
+from precision.tolerance import chain_tolerance, relative_error
 from tests.helpers import ROOT, run_cli
-from tests.test_training import free_port
+from tests.test_training import SHORT, free_port, metrics, sets
 
 
 def run_workers(tmp_path, world: int) -> list[list[dict]]:
@@ -42,3 +45,70 @@ def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world
             for name, err in case["errors"].items():
                 print(f"world {world} rank {rank} {case['case']}: {name} {err:.2e} (tolerance {case['tolerance']:.1e})")
                 assert err <= case["tolerance"], (rank, case["case"], name, err)
+
+
+# ---- training ----------------------------------------------------------------------------------------------------
+def msrun_train(tmp_path, name: str, world: int, *assignments: str, resume: bool = False):
+    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    logs = tmp_path / f"{name}_logs"
+    proc = run_cli(msrun, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
+                   "--join=True", f"--log_dir={logs}", "--cluster_time_out=90", "run_train.py", "--recipe", "tiny",
+                   *(["--resume"] if resume else []), *sets(*assignments, f"parallel_config.data_parallel={world}"),
+                   env=env)
+    text = "".join(p.read_text(errors="replace")[-3000:] for p in logs.glob("worker_*.log"))
+    assert proc.returncode == 0, text
+    return text
+
+
+def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path):
+    """tiny at ep=4 over 4 processes (hierarchical, 2 nodes x 2 devices) against one process: the same losses and
+    gradient norms, tensor dumps that precision.compare aligns, 1/4 of the routed experts on each rank (as --dry-run
+    states), inter-node traffic logged lower for the hierarchical scheme; then its checkpoint resumes at ep=1 (one
+    process) and that one's at ep=2 (two processes), each continuing the one-process run's losses."""
+    one, ep4, ep1, ep2 = (tmp_path / n for n in ("one", "ep4", "ep1", "ep2"))
+    common = SHORT + ["training.train_steps=4", "training.save_interval=1"]
+    proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*common, "training.dump_steps=1", f"output_dir={one}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokenizer = f"data.tokenizer={one / 'tokenizer.model'}"
+    msrun_train(tmp_path, "ep4", 4, *common, "training.train_steps=2", "parallel_config.expert_parallel=4",
+                "parallel_config.devices_per_node=2", "model.moe_token_dispatcher_type=hierarchical", tokenizer,
+                "training.dump_steps=1", f"output_dir={ep4}")
+    shutil.copytree(ep4, ep1)
+    proc = run_cli("run_train.py", "--recipe", "tiny", "--resume", *sets(*common, "training.train_steps=3",
+                                                                          tokenizer, f"output_dir={ep1}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(ep1, ep2)
+    msrun_train(tmp_path, "ep2", 2, *common, "parallel_config.expert_parallel=2", tokenizer, f"output_dir={ep2}",
+                resume=True)
+
+    tokens = 4 * 64
+    first, later = chain_tolerance("float32", [tokens]), chain_tolerance("float32", [tokens, tokens])
+    base = metrics(one)
+    for out, steps, label in ((ep4, (1, 2), "ep=4 hierarchical"), (ep1, (3,), "resumed at ep=1"),
+                              (ep2, (4,), "resumed at ep=2")):
+        logged = metrics(out)
+        for step in steps:
+            for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm"):
+                err = relative_error(logged[step][key], base[step][key])
+                print(f"step {step} {key}: one process {base[step][key]:.7f}, {label} {logged[step][key]:.7f}, "
+                      f"relative error {err:.2e}")
+                assert err <= (first if step == 1 else later).rtol, (label, step, key, err)
+
+    report = run_cli("-m", "precision.compare", str(one / "dump"), str(ep4 / "dump"), "--png", "")
+    assert report.returncode == 0 and "no divergence" in report.stdout, report.stdout + report.stderr
+
+    dry = run_cli("run_train.py", "--recipe", "tiny", "--dry-run",
+                  *sets(*common, "parallel_config.data_parallel=4", "parallel_config.expert_parallel=4"))
+    stated = re.search(r"parameters per device \(stage 0\): ([\d,]+), of them ([\d,]+) in routed experts", dry.stdout)
+    total, experts = (int(x.replace(",", "")) for x in stated.groups())
+    for rank in range(4):
+        held = load_file(str(ep4 / "checkpoints" / f"rank_{rank}" / "step_00000002" / "weights.safetensors"))
+        mine = {n: v.size for n, v in held.items() if not n.startswith(("adam_", "global_step", "learning_rate"))
+                and not n.endswith("expert_bias")}
+        assert sum(v for n, v in mine.items() if ".experts." in n) == experts, rank
+        assert sum(mine.values()) == total, rank
+
+    traffic = metrics(ep4)[2]
+    assert traffic["ep_inter_node_bytes_hierarchical"] < traffic["ep_inter_node_bytes_flat"], traffic
+    assert traffic["ep_intra_node_bytes_flat"] > 0

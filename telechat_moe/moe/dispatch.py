@@ -155,6 +155,7 @@ class ExpertParallel:
     ep: int = 1
     index: int = 0
     kind: str = "alltoall"
+    ranks_per_node: int = 1        # EP ranks in each node (the traffic counts' topology)
     group: object = None           # transport on the EP group
     in_node: object = None         # hierarchical: the EP ranks of this node
     across_nodes: object = None    # hierarchical: this rank's counterparts in the other nodes
@@ -165,10 +166,11 @@ class ExpertParallel:
             return cls()
         groups = ProcessGroups(layout, rank)
         ep_index = layout.coords(rank)[Axis.EP]
+        per_node = ProcessGroups(layout, rank, create=False).ep_in_node().size
         if kind == "hierarchical":
-            return cls(layout.ep, ep_index, kind, None, transport_for(groups.ep_in_node(), device_target),
+            return cls(layout.ep, ep_index, kind, per_node, None, transport_for(groups.ep_in_node(), device_target),
                        transport_for(groups.ep_across_nodes(), device_target))
-        return cls(layout.ep, ep_index, kind, transport_for(groups.axis(Axis.EP), device_target))
+        return cls(layout.ep, ep_index, kind, per_node, transport_for(groups.axis(Axis.EP), device_target))
 
     def experts(self, num_experts: int) -> tuple[int, int]:
         """The routed experts [first, last) this rank holds."""

@@ -5,13 +5,18 @@ are independent branches of one graph, so on Ascend one slice's exchange can ove
 result equals the unsliced layer's."""
 from __future__ import annotations
 
+import mindspore as ms
 from mindspore import nn, ops
 
+from parallel.ep.counts import dispatch_counts
 from telechat_moe.config import ModelConfig
 from telechat_moe.layers import SwiGLU, ms_dtype
 from telechat_moe.moe.dispatch import ExpertParallel, make_dispatcher
 from telechat_moe.moe.experts import GroupedExperts
 from telechat_moe.moe.router import TopKRouter
+
+
+ROUTING_STATS = 4   # the traffic counts after the expert load in a layer's routing statistics
 
 
 class MoELayer(nn.Cell):
@@ -25,13 +30,23 @@ class MoELayer(nn.Cell):
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
                                      cfg.initializer_range, cdt)
         self.chunks = cfg.moe_comm_chunks
+        self.ep = ep
+        self.experts_per_rank = cfg.n_routed_experts // ep.ep
 
     def routed(self, x, indices, weights):
         tokens, group_sizes, state = self.dispatcher.dispatch(x, indices, weights)
         return self.dispatcher.combine(self.experts(tokens, group_sizes), state)
 
+    def traffic(self, indices):
+        """[4] token copies this rank's routing sends (flat inter/intra-node, hierarchical inter/intra-node)."""
+        if self.ep.ep == 1:
+            return ops.zeros(4, ms.float32)
+        return dispatch_counts(indices, self.ep.index, self.experts_per_rank, self.ep.ranks_per_node,
+                               self.ep.ep // self.ep.ranks_per_node)
+
     def construct(self, x):
-        """x [b, s, h] -> (y [b, s, h], aux loss, z loss, expert load [E])."""
+        """x [b, s, h] -> (y [b, s, h], aux loss, z loss, routing statistics [E + 4]: the expert load, then the
+        dispatch traffic of `traffic`)."""
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         indices, weights, aux, z, load = self.gate(flat, b)
@@ -44,4 +59,5 @@ class MoELayer(nn.Cell):
                 parts = parts + (self.routed(flat[i * n:(i + 1) * n], indices[i * n:(i + 1) * n],
                                              weights[i * n:(i + 1) * n]),)
             routed = ops.concat(parts, 0)
-        return routed.astype(x.dtype).reshape(b, s, h) + self.shared_experts(x), aux, z, load
+        stats = ops.concat((load, self.traffic(indices)))
+        return routed.astype(x.dtype).reshape(b, s, h) + self.shared_experts(x), aux, z, stats
