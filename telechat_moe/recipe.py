@@ -53,10 +53,16 @@ class ParallelConfig:
     devices_per_node: int = 8
     optimizer_shard: bool = True        # MindFormers' enable_parallel_optimizer (ZeRO-1)
     vocab_emb_dp: bool = False
+    # TP-extends-EP: the routed experts of a stage spread whole over its model_parallel x expert_parallel ranks (the
+    # EP group takes in the tensor-parallel ranks, each expert unsplit) instead of each expert split over tp
+    expert_parallel_over_tp: bool = False
 
     def layout(self) -> ParallelLayout:
+        over_tp = self.expert_parallel_over_tp
         return ParallelLayout(dp=self.data_parallel, tp=self.model_parallel, pp=self.pipeline_stage,
-                              vpp=self.pp_interleave_num, ep=self.expert_parallel, etp=self.expert_model_parallel,
+                              vpp=self.pp_interleave_num,
+                              ep=self.expert_parallel * (self.model_parallel if over_tp else 1),
+                              etp=1 if over_tp else self.expert_model_parallel,
                               cp=self.context_parallel, sp=self.use_seq_parallel,
                               micro_batch_num=self.micro_batch_num, devices_per_node=self.devices_per_node)
 
@@ -311,7 +317,11 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     shape = m.to_model_shape()
     require(experts_split(shape, layout.ep),
              f"parallel_config.expert_parallel: {m.n_routed_experts} experts cannot be split evenly over "
-             f"expert_parallel={p.expert_parallel}")
+             f"expert_parallel={p.expert_parallel}" + (f" x model_parallel={p.model_parallel} (expert_parallel_over_tp)"
+                                                       if p.expert_parallel_over_tp else ""))
+    require(not p.expert_parallel_over_tp or p.expert_model_parallel == 1,
+             f"parallel_config.expert_parallel_over_tp: experts spread whole over the tensor-parallel ranks, so "
+             f"expert_model_parallel must be 1, got {p.expert_model_parallel}")
     require(m.moe_intermediate_size % p.expert_model_parallel == 0,
              f"parallel_config.expert_model_parallel: the expert FFN size moe_intermediate_size="
              f"{m.moe_intermediate_size} is not divisible by expert_model_parallel={p.expert_model_parallel}")

@@ -34,8 +34,11 @@ def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world
     ranks = run_workers(tmp_path, world)
     cases = {c["case"] for c in ranks[0]}
     assert any("hierarchical" in c for c in cases) and any("chunks=2" in c for c in cases)
-    if world == 4:      # 2 nodes x 2 devices; and two EP groups of 2 inside a DP of 4
-        assert {"hierarchical top-4 chunks=1 skewed ep=4", "alltoall top-4 chunks=1 skewed ep=2"} <= cases
+    if world == 4:      # 2 nodes x 2 devices; two EP groups of 2 inside a DP of 4; every collective Cell
+        assert {"hierarchical top-4 chunks=1 skewed ep=4", "alltoall top-4 chunks=1 skewed ep=2",
+                "collectives"} <= cases
+        collectives = [next(c for c in results if c["case"] == "collectives") for results in ranks]
+        assert all(len(c["errors"]) == 42 + (rank in (1, 2)) for rank, c in enumerate(collectives))
     for rank, results in enumerate(ranks):
         for case in results:
             loads = case["tokens_per_expert"]

@@ -214,17 +214,19 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_killed_worker_leaves_one_line_in_every_other_log(earlier_run, tmp_path):
+@pytest.mark.parametrize("layout", [[], ["parallel_config.expert_parallel=2"]], ids=["dp", "ep"])
+def test_a_killed_worker_leaves_one_line_in_every_other_log(earlier_run, tmp_path, layout):
     """msrun without --join (with --join=True msrun itself SIGKILLs the job's other local workers at once, as it
     does on a node where a worker died; on the other nodes, and here, they live on): rank 1 is killed once training
     has started; rank 0 and the scheduler each end with one application line, no traceback. MS_NODE_TIMEOUT (the
-    heartbeat timeout) makes MindSpore notice in seconds instead of half a minute."""
+    heartbeat timeout) makes MindSpore notice in seconds instead of half a minute. Under expert parallelism rank 0
+    is then waiting in the experts' all-to-all for a peer that is gone."""
     out, logs = tmp_path / "out", tmp_path / "msrun_logs"
     msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
     env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "MS_NODE_TIMEOUT": "10"}
     proc = run_cli(msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}", "--join=False",
                    f"--log_dir={logs}", "--cluster_time_out=60", "run_train.py", "--recipe", "tiny",
-                   *sets(*SMALL, "training.train_steps=1000", "parallel_config.data_parallel=2",
+                   *sets(*SMALL, *layout, "training.train_steps=1000", "parallel_config.data_parallel=2",
                          f"data.tokenizer={earlier_run / 'tokenizer.model'}", f"output_dir={out}"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = {}

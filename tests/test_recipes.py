@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from parallel.layout import Axis
 from parallel.planner.model_shape import parameter_breakdown
 from telechat_moe.errors import RecipeError
 from telechat_moe.recipe import check_trainable, find_recipe, launched_processes, load_recipe
@@ -140,6 +141,23 @@ def test_layout_must_match_the_processes_launched():
         check_trainable(dp2, launched_processes({}))
     with pytest.raises(RecipeError, match=r"parallel_config: .* = 1 device, but 2 processes were launched"):
         check_trainable(load_recipe("tiny"), launched_processes({"MS_WORKER_NUM": "2"}))
+
+
+def test_expert_parallel_over_tp_spreads_whole_experts_over_the_tensor_ranks(capfd):
+    """TP-extends-EP: tp=2 x ep=2 on 4 devices puts the 16 routed experts 4 per device, unsplit, the EP group
+    taking in both tensor-parallel ranks; without the option the EP group is 2 ranks of one tensor rank each."""
+    base = ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2", "parallel_config.expert_parallel=2"]
+    over = load_recipe("tiny", [*base, "parallel_config.expert_parallel_over_tp=true"]).layout
+    assert (over.ep, over.etp, over.edp) == (4, 1, 1)
+    assert over.group_of(Axis.EP, 0) == [0, 1, 2, 3] and over.group_of(Axis.TP, 0) == [0, 1]
+    plain = load_recipe("tiny", base).layout
+    assert (plain.ep, plain.edp) == (2, 2) and plain.group_of(Axis.EP, 0) == [0, 2]
+    dry = run_main(capfd, "--recipe", "tiny", "--dry-run", *[x for a in base for x in ("--set", a)],
+                   "--set", "parallel_config.expert_parallel_over_tp=true")
+    assert dry.returncode == 0 and "in routed experts (1/4 of each layer's)" in dry.stdout, dry.stdout
+    with pytest.raises(RecipeError, match="expert_parallel_over_tp"):
+        load_recipe("tiny", [*base, "parallel_config.expert_parallel_over_tp=true",
+                             "parallel_config.expert_model_parallel=2"])
 
 
 # Runs main() in a fresh interpreter and reports whether MindSpore was ever imported.

@@ -14,7 +14,9 @@ Each Cell wraps one transport (one group). Forward and backward are each one col
 | `Broadcast` | root's value to all | sum to the root | replicated state |
 
 The gradient conventions are those of a sum of the members' losses: the backward of an all-gather sums, at each
-rank, the gradients every member's loss sends to that rank's slot.
+rank, the gradients every member's loss sends to that rank's slot. Inside a graph, a collective whose result is
+unused may be removed by the compiler; every member must then remove it alike, so no Cell here makes its use
+depend on the rank.
 """
 from __future__ import annotations
 
@@ -96,10 +98,12 @@ class Broadcast(_Collective):
     def __init__(self, transport, root: int = 0):
         super().__init__(transport)
         self.root = root
+        self.mine = 1.0 if transport.group.index == root else 0.0
 
     def construct(self, x):
         return self.t.broadcast(x, self.root)
 
     def bprop(self, x, out, dout):
-        total = self.t.all_reduce(dout)
-        return (total if self.t.group.index == self.root else ops.zeros_like(dout),)
+        # every member must run the all-reduce: one whose result went unused would be removed from the graph on
+        # the non-root members only, and the group's collectives would no longer pair up
+        return (self.t.all_reduce(dout) * self.mine,)

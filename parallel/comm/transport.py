@@ -92,6 +92,8 @@ class CpuTransport:
         return self._all_reduce(x if self.me == root else ops.zeros_like(x))
 
     def send(self, x, tag: int = 0):
+        # returns the all-reduce's result: inside a graph the caller must use it (an unused collective is removed
+        # from the graph, and the receiver would wait)
         return self._all_reduce(x)
 
     def recv(self, shape, dtype, tag: int = 0):
