@@ -145,13 +145,14 @@ def test_layout_must_match_the_processes_launched():
 
 def test_expert_parallel_over_tp_spreads_whole_experts_over_the_tensor_ranks(capfd):
     """TP-extends-EP: tp=2 x ep=2 on 4 devices puts the 16 routed experts 4 per device, unsplit, the EP group
-    taking in both tensor-parallel ranks; without the option the EP group is 2 ranks of one tensor rank each."""
+    taking in both tensor-parallel ranks and both data-parallel ones; without the option expert_parallel=2 is the
+    EP group of the two tensor ranks (MindFormers' folding with expert_model_parallel=1), replicated over dp."""
     base = ["parallel_config.data_parallel=2", "parallel_config.model_parallel=2", "parallel_config.expert_parallel=2"]
     over = load_recipe("tiny", [*base, "parallel_config.expert_parallel_over_tp=true"]).layout
     assert (over.ep, over.etp, over.edp) == (4, 1, 1)
     assert over.group_of(Axis.EP, 0) == [0, 1, 2, 3] and over.group_of(Axis.TP, 0) == [0, 1]
     plain = load_recipe("tiny", base).layout
-    assert (plain.ep, plain.edp) == (2, 2) and plain.group_of(Axis.EP, 0) == [0, 2]
+    assert (plain.ep, plain.edp) == (2, 2) and plain.group_of(Axis.EP, 0) == [0, 1]
     dry = run_main(capfd, "--recipe", "tiny", "--dry-run", *[x for a in base for x in ("--set", a)],
                    "--set", "parallel_config.expert_parallel_over_tp=true")
     assert dry.returncode == 0 and "in routed experts (1/4 of each layer's)" in dry.stdout, dry.stdout
@@ -173,12 +174,14 @@ def test_data_parallel_without_msrun_stops_before_mindspore(tmp_path):
     assert proc.stdout.strip() == "False" and not out.exists()
 
 
-def test_planner_only_dispatcher_plans_but_does_not_train(tmp_path, capfd):
-    alltoall = ["--set", "model.moe_token_dispatcher_type=alltoall"]
-    assert run_main(capfd, "--recipe", "tiny", "--dry-run", *alltoall).returncode == 0
+def test_local_dispatcher_under_expert_parallelism_is_refused_before_mindspore(tmp_path):
+    """'local' keeps every expert on every rank: with expert_parallel > 1 it is one line, before any process waits
+    for its peers."""
     out = tmp_path / "out"
-    proc = run_cli("-c", MAIN_AND_MINDSPORE, "--recipe", "tiny", *alltoall, "--set", f"output_dir={out}")
-    assert_one_line_error(proc, "model.moe_token_dispatcher_type", "'alltoall'", "local")
+    proc = run_cli("-c", MAIN_AND_MINDSPORE, "--recipe", "tiny", "--set", "model.moe_token_dispatcher_type=local",
+                   "--set", "parallel_config.data_parallel=2", "--set", "parallel_config.expert_parallel=2",
+                   "--set", f"output_dir={out}")
+    assert_one_line_error(proc, "model.moe_token_dispatcher_type", "'local'", "alltoall or hierarchical")
     assert proc.stdout.strip() == "False" and not out.exists()
 
 

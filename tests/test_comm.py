@@ -1,0 +1,60 @@
+"""The communication layer in one process: group membership and naming from a ParallelLayout, and the native
+(Ascend/GPU) transport's calls checked against the installed MindSpore's primitives (it cannot run here)."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from mindspore import ops
+
+from parallel.comm import ProcessGroups, transport
+from parallel.comm.groups import Group
+from parallel.layout import Axis, LayoutError, ParallelLayout
+
+
+def test_expert_groups_two_levels():
+    layout = ParallelLayout(dp=8, ep=8, devices_per_node=4).validate(8)
+    g = ProcessGroups(layout, 5, create=False)
+    assert g.axis(Axis.EP).ranks == tuple(range(8))
+    assert g.ep_in_node().ranks == (4, 5, 6, 7) and g.ep_in_node().index == 1
+    assert g.ep_across_nodes().ranks == (1, 5) and g.ep_across_nodes().index == 1
+    assert g.pair(2).ranks == (2, 5)
+    assert g.axis(Axis.EDP).size == 1 and g.axis(Axis.EDP).name == ""      # a group of one: nothing to create
+    # ep=4 inside dp=8: two EP groups; their names differ, members agree on them
+    small = ParallelLayout(dp=8, ep=4, devices_per_node=2).validate(8)
+    names = {ProcessGroups(small, r, create=False).axis(Axis.EP).name for r in range(8)}
+    assert len(names) == 2
+    assert ProcessGroups(small, 6, create=False).ep_across_nodes().ranks == (4, 6)
+
+
+def test_hierarchical_needs_as_many_ep_ranks_in_every_node():
+    layout = ParallelLayout(dp=6, ep=6, devices_per_node=4).validate(6)
+    with pytest.raises(LayoutError, match="as many EP ranks in every node"):
+        ProcessGroups(layout, 0, create=False).ep_across_nodes()
+
+
+def test_native_transport_calls_match_the_installed_primitives(monkeypatch):
+    """Every MindSpore primitive the Ascend/GPU transport builds, with the keyword arguments it passes, exists with
+    those parameter names in the installed package."""
+    made = []
+
+    def recorder(name):
+        real = getattr(ops, name)
+        params = inspect.signature(real.__init__).parameters
+
+        def make(*args, **kwargs):
+            made.append(name)
+            unknown = set(kwargs) - set(params)
+            assert not unknown, f"ops.{name} has no parameter(s) {unknown}; it takes {list(params)[1:]}"
+            assert len(args) <= len(params) - 1
+            return lambda *a, **k: (None,)
+        return make
+
+    for name in ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Send", "Receive"):
+        monkeypatch.setattr(transport.ops, name, recorder(name))
+    t = transport.NativeTransport(Group("hccl_group_0", (0, 1), 1))
+    t.broadcast(None, 0)
+    t.send(None)
+    t.recv((2, 3), None)
+    assert sorted(set(made)) == sorted(["AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Send",
+                                        "Receive"])
