@@ -1,9 +1,11 @@
 """The training loop: wires recipe -> data -> model -> optimizer -> checkpoints and logs. It implements none of them.
 
 One optimizer step: the rank's share of the global batch is split into `micro_batch_num` micro-batches whose
-gradients are summed (graph-mode forward+backward per micro-batch), then scaled, all-reduced over data-parallel
-ranks, clipped and applied. The router's expert bias is then moved by its own rule from the summed expert load,
-identically on every rank, never by the gradient.
+gradients are summed (graph-mode forward+backward per micro-batch), then scaled, all-reduced (dense weights over
+the data-parallel ranks, this rank's routed experts over the ranks holding the same experts), clipped and applied.
+Under expert parallelism each rank builds only its share of the routed experts and the MoE layers exchange token
+copies with the EP group (telechat_moe/moe/dispatch.py). The router's expert bias is then moved by its own rule
+from the expert load summed over every rank, identically on every rank, never by the gradient.
 """
 from __future__ import annotations
 
@@ -355,7 +357,7 @@ class Trainer:
     def _whole(self, name: str, tensor):
         if self.ep.ep == 1 or not is_routed_expert(name):
             return tensor
-        return self.groups.ep.all_gather(tensor)
+        return self.groups.ep.all_gather(Tensor(tensor.asnumpy()))   # a value: moments are Parameters
 
     def _shards(self) -> dict:
         """The routed experts' slices this rank checkpoints (dim 0 over the EP group); nothing at ep=1."""
