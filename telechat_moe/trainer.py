@@ -159,15 +159,18 @@ class TrainStep(nn.Cell):
 
 
 class MoveExpertBiases(nn.Cell):
-    """Adds each router's bias step in a graph, for the reason TrainStep takes its learning rate as an input."""
+    """Adds each router's bias step in a graph, for the reason TrainStep takes its learning rate as an input. The
+    steps come as one [routers, E] tensor: a tuple of new tensors each step is taken for constants, and the graph
+    was recompiled every step (once failing to compile at step 6 of a 4-process run)."""
 
     def __init__(self, biases: list):
         super().__init__(auto_prefix=False)
         self.biases = ParameterTuple(biases)
-        self.map = ops.HyperMap()
 
     def construct(self, deltas):
-        return self.map(ops.assign_add, self.biases, deltas)
+        for i in range(len(self.biases)):
+            ops.assign_add(self.biases[i], deltas[i])
+        return deltas
 
 
 class OverRanks(nn.Cell):
@@ -456,7 +459,7 @@ class Trainer:
         loads, self.traffic = loads[:, :e], loads[:, e:].sum(0)
         if self.move_biases is not None:
             delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)
-            self.move_biases(tuple(Tensor(d, b.dtype) for b, d in zip(self.biases, delta)))
+            self.move_biases(Tensor(delta.astype(np.float32)))
         total, lm, mtp, aux, z = self._mean_over_ranks(sums / self.micro)
         values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy()),
                   "lr": lr}
