@@ -153,7 +153,7 @@ class TeleChatMoE(nn.Cell):
     def head_losses(self, h, labels, loss_mask, cos, sin, bias, aux, z, loads):
         """Everything after the decoder layers: final norm, head, MTP blocks, and the losses."""
         lm_loss = self.cross_entropy(self.logits(self.norm(h)), labels, loss_mask)
-        mtp_loss = 0.0
+        mtp_loss = ops.zeros((), ms.float32)   # a tensor also without MTP blocks: the step reads every loss's value
         next_ids, mtp_mask = labels, loss_mask
         for block in self.mtp:
             # Depth d sees the embedding of token i+d and predicts token i+d+1; the last d positions have no target.

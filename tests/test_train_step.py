@@ -175,3 +175,18 @@ def test_recompute_gives_the_same_gradients(trainer, mode):
     *_, got = ForwardBackward(model, weights)(*args)
     worst = max(relative_error(g.asnumpy(), e.asnumpy()) for g, e in zip(got, expected))
     assert worst <= tolerance("float32").rtol, worst
+
+
+def test_a_model_without_mtp_trains(tmp_path):
+    """num_nextn_predict_layers=0: the MTP loss is a zero tensor, the step runs and learns (it once crashed at step
+    1 reading a Python float's value)."""
+    from telechat_moe.trainer import Trainer, configure_mindspore
+    recipe = load_recipe("tiny", [f"output_dir={tmp_path}", "training.global_batch_size=4",
+                                  "model.num_nextn_predict_layers=0", "model.seq_length=64",
+                                  "model.max_position_embeddings=64", "model.original_max_position_embeddings=64"])
+    configure_mindspore(recipe)
+    t = Trainer(recipe, peak_flops=1e9)
+    assert not any(".mtp." in f".{p.name}" for p in t.weights)
+    first = [t.train_step(t.loader.batch_at(0, i))[0] for i in range(3)]
+    assert all(v["mtp_loss"] == 0.0 and np.isfinite(v["loss"]) for v in first)
+    assert first[0]["loss"] == pytest.approx(first[0]["lm_loss"] + first[0]["aux_loss"], rel=1e-6)
