@@ -16,7 +16,7 @@ def dispatch_counts(indices, source_rank: int, experts_per_rank: int, devices_pe
     remote = ops.not_equal(node, home)
     flat_inter = remote.astype(ms.float32).sum()
     flat_intra = ops.logical_and(ops.logical_not(remote), ops.not_equal(rank, source_rank)).astype(ms.float32).sum()
-    touched = ops.one_hot(node, nodes, ops.ones((), ms.float32), ops.zeros((), ms.float32)).max(1)   # [T, nodes]
+    touched = ops.amax(ops.one_hot(node, nodes, ops.ones((), ms.float32), ops.zeros((), ms.float32)), 1)  # [T, nodes]
     hier_inter = touched.sum() - touched[:, home].sum()
     hier_intra = ops.not_equal(rank % devices_per_node, local).astype(ms.float32).sum()
     return ops.stop_gradient(ops.stack((flat_inter, flat_intra, hier_inter, hier_intra)))
