@@ -26,9 +26,10 @@ from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
 from parallel.comm import AllReduce, ProcessGroups, transport_for
-from parallel.ep.traffic import STEP_MULTIPLIER
+from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
+from telechat_moe.dry_run import DTYPE_BYTES
 from telechat_moe.metrics import StepLogger, Timer, info
 from telechat_moe.model import TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
@@ -487,7 +488,7 @@ class Trainer:
         if self.ep.ep == 1:
             return {}
         cfg = self.r.model
-        per_copy = cfg.hidden_size * (4 if cfg.compute_dtype == "float32" else 2) * STEP_MULTIPLIER
+        per_copy = token_bytes(cfg.hidden_size, DTYPE_BYTES[cfg.compute_dtype]) * STEP_MULTIPLIER
         names = ("ep_inter_node_bytes_flat", "ep_intra_node_bytes_flat", "ep_inter_node_bytes_hierarchical",
                  "ep_intra_node_bytes_hierarchical")
         return {name: float(copies) * per_copy for name, copies in zip(names, self.traffic)}
