@@ -1,8 +1,11 @@
 """Shared test helpers: running the entry point as a user would (in a fresh process, or in this one through the same
-`run_train.main(argv)`), and checking one-line errors."""
+`run_train.main(argv)`), launching jobs under msrun, and checking one-line errors."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,32 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str 
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3", **(env or {})}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
                           env=full_env, cwd=str(cwd or ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def msrun(world: int, log_dir: Path, *args: str, cluster_time_out: int = 60, env: dict | None = None):
+    """`msrun --worker_num=world ... ARGS` on this machine with --join=True, the venv's python first on PATH (msrun
+    starts its workers with the first python there) -> (completed process, the tail of every worker's log)."""
+    command = shutil.which("msrun", path=os.path.dirname(sys.executable))
+    path = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    proc = run_cli(command, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
+                   "--join=True", f"--log_dir={log_dir}", f"--cluster_time_out={cluster_time_out}", *args,
+                   env={**path, **(env or {})})
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in Path(log_dir).glob("worker_*.log"))
+    return proc, logs
+
+
+def run_workers(tmp_path: Path, script: str, world: int) -> list:
+    """A worker script of tests/workers/ under msrun; every rank writes `<out>/rank_<r>.json`: their contents."""
+    out = tmp_path / "results"
+    proc, logs = msrun(world, tmp_path / "logs", str(ROOT / "tests" / "workers" / script), str(out))
+    assert proc.returncode == 0, logs
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
 
 
 def run_main(capfd, *argv: str) -> subprocess.CompletedProcess:

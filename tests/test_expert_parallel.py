@@ -3,35 +3,20 @@ one-process layer, output and every gradient, for the flat and the hierarchical 
 skewed routing (an expert every token picks, a whole rank's experts that get no token), sliced or not."""
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import sys
 
 import pytest
 from safetensors.numpy import load_file
 
 from precision.tolerance import chain_tolerance, relative_error
-from tests.helpers import ROOT, run_cli
-from tests.test_training import SHORT, free_port, metrics, sets
-
-
-def run_workers(tmp_path, world: int) -> list[list[dict]]:
-    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    out = tmp_path / "results"
-    proc = run_cli(msrun, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
-                   "--join=True", f"--log_dir={tmp_path / 'logs'}", "--cluster_time_out=60",
-                   str(ROOT / "tests" / "workers" / "ep_layer.py"), str(out), env=env)
-    logs = "".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("worker_*.log"))
-    assert proc.returncode == 0, logs
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
+from tests.helpers import msrun, run_cli, run_workers
+from tests.test_training import SHORT, metrics, sets
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world):
-    ranks = run_workers(tmp_path, world)
+    ranks = run_workers(tmp_path, "ep_layer.py", world)
     cases = {c["case"] for c in ranks[0]}
     assert any("hierarchical" in c for c in cases) and any("chunks=2" in c for c in cases)
     if world == 4:      # 2 nodes x 2 devices; two EP groups of 2 inside a DP of 4; every collective Cell
@@ -52,16 +37,10 @@ def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world
 
 # ---- training ----------------------------------------------------------------------------------------------------
 def msrun_train(tmp_path, name: str, world: int, *assignments: str, resume: bool = False):
-    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    logs = tmp_path / f"{name}_logs"
-    proc = run_cli(msrun, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
-                   "--join=True", f"--log_dir={logs}", "--cluster_time_out=90", "run_train.py", "--recipe", "tiny",
-                   *(["--resume"] if resume else []), *sets(*assignments, f"parallel_config.data_parallel={world}"),
-                   env=env)
-    text = "".join(p.read_text(errors="replace")[-3000:] for p in logs.glob("worker_*.log"))
-    assert proc.returncode == 0, text
-    return text
+    proc, logs = msrun(world, tmp_path / f"{name}_logs", "run_train.py", "--recipe", "tiny",
+                       *(["--resume"] if resume else []),
+                       *sets(*assignments, f"parallel_config.data_parallel={world}"), cluster_time_out=90)
+    assert proc.returncode == 0, logs
 
 
 def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path):

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import CORPUS, ROOT, assert_one_line_error, run_cli, run_main
-from tests.test_training import SHORT, _digest, free_port, sets
+from tests.helpers import CORPUS, ROOT, assert_one_line_error, free_port, run_cli, run_main
+from tests.test_training import SHORT, _digest, sets
 
 # SHORT with a smaller model (2 layers, 4 experts): these runs test files and messages, not learning.
 SMALL = SHORT + ["model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_experts_per_tok=2",

@@ -5,17 +5,12 @@ it never holds more activations than the validator allows. Plus the pure check o
 pair of stages both ends issue the same transfers in the same order."""
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
 
 import pytest
 
 from parallel.pipeline.executor import Compute, Transfer, program
 from parallel.pipeline.schedules import build
-from tests.helpers import ROOT, run_cli
-from tests.test_training import free_port
+from tests.helpers import run_workers
 
 
 @pytest.mark.parametrize("name,p,v,m", [("1f1b", 2, 1, 4), ("interleaved", 2, 2, 4), ("1f1b", 4, 1, 8),
@@ -31,20 +26,8 @@ def test_every_pair_issues_its_transfers_in_one_order(name, p, v, m):
             assert mine == theirs
 
 
-def run_workers(tmp_path, world: int) -> list[list[dict]]:
-    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    out = tmp_path / "results"
-    proc = run_cli(msrun, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
-                   "--join=True", f"--log_dir={tmp_path / 'logs'}", "--cluster_time_out=60",
-                   str(ROOT / "tests" / "workers" / "pipeline_worker.py"), str(out), env=env)
-    logs = "".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("worker_*.log"))
-    assert proc.returncode == 0, logs
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
-
-
 def test_pipeline_over_two_processes_equals_one_process(tmp_path):
-    ranks = run_workers(tmp_path, 2)
+    ranks = run_workers(tmp_path, "pipeline_worker.py", 2)
     for rank, results in enumerate(ranks):
         assert [c["case"] for c in results] == ["1f1b", "interleaved"]
         for case in results:

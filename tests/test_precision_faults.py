@@ -8,7 +8,6 @@ Run as a script (by msrun) this file is the data-parallel worker.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from precision.capture import ForwardCapture, Target, grad_records, layer_of, op
 from precision.compare import compare_runs  # noqa: E402
 from precision.dump import DumpWriter, TensorRecord, config_hash, layout_meta  # noqa: E402
 from precision.harness import align  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from precision.parallel_emulation import (ExpertParallelDispatcher, RowParallelLinear,  # noqa: E402
                                           all_gather_batch, all_reduce_mean, pipeline_step,
                                           sequence_shard_positions, sharded_rope_tables, swap_cell)
@@ -329,19 +329,13 @@ def _dp_worker(workdir: str) -> None:
         DumpWriter(work / label, meta(cfg, "dp"), rank=rank).write(0, records)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dp_under_msrun(setup, reference_dump, tmp_path):
     cfg, weights, _ = setup
     np.savez(tmp_path / "weights.npz", **weights)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "msrun"), "--worker_num=2", "--local_worker_num=2",
-         f"--master_port={_free_port()}", "--join=True", f"--log_dir={tmp_path / 'logs'}", "--cluster_time_out=90",
+         f"--master_port={free_port()}", "--join=True", f"--log_dir={tmp_path / 'logs'}", "--cluster_time_out=90",
          __file__, str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     logs = "".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("worker_*.log")))
     assert proc.returncode == 0, logs or proc.stderr[-3000:]

@@ -6,17 +6,12 @@ vocab-parallel embedding, the vocab-parallel cross-entropy, and embedding->MLP->
 initialisation keeps each rank's slice of the one full matrix."""
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
 
 import numpy as np
 import pytest
 
 from parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
-from tests.helpers import ROOT, run_cli
-from tests.test_training import free_port
+from tests.helpers import run_workers
 
 CASES = {"seeded init", "column", "column gather_output", "column sequence_parallel", "row", "row sequence_parallel",
          "mlp column->row", "mlp column->row sequence_parallel", "embedding", "embedding sequence_parallel",
@@ -24,21 +19,9 @@ CASES = {"seeded init", "column", "column gather_output", "column sequence_paral
          "embedding->mlp->head->cross-entropy sequence_parallel"}
 
 
-def run_workers(tmp_path, world: int) -> list[list[dict]]:
-    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    out = tmp_path / "results"
-    proc = run_cli(msrun, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
-                   "--join=True", f"--log_dir={tmp_path / 'logs'}", "--cluster_time_out=60",
-                   str(ROOT / "tests" / "workers" / "tp_layers.py"), str(out), env=env)
-    logs = "".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("worker_*.log"))
-    assert proc.returncode == 0, logs
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_layers_equal_one_process(tmp_path, world):
-    ranks = run_workers(tmp_path, world)
+    ranks = run_workers(tmp_path, "tp_layers.py", world)
     for rank, results in enumerate(ranks):
         assert {c["case"] for c in results} == CASES, rank
         for case in results:

@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from precision.tolerance import chain_tolerance, relative_error
-from tests.helpers import ROOT, assert_one_line_error, run_cli
+from tests.helpers import ROOT, assert_one_line_error, free_port, run_cli
 
 # A smaller variant of tiny.yaml for the tests that compare runs: same architecture, shorter sequences.
 SHORT = ["model.seq_length=64", "model.max_position_embeddings=64", "model.original_max_position_embeddings=64",
@@ -44,12 +43,6 @@ def metrics(out: Path) -> dict[int, dict]:
 def final_weights(out: Path, rank: int = 0) -> dict[str, np.ndarray]:
     ckpts = sorted((out / "checkpoints" / f"rank_{rank}").glob("step_*"))
     return load_file(str(ckpts[-1] / "weights.safetensors"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- learning -----------------------------------------------------------------------------------------------
