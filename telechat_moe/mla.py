@@ -4,6 +4,11 @@ Queries go through a low-rank latent (q_lora_rank), keys and values through a co
 a small rotary part (qk_rope_head_dim) is computed beside the position-free part and shared by all heads for keys.
 RoPE here is the rotate-half form; checkpoints stored with interleaved rotary channels (DeepSeek-V3 on HF) are
 permuted once by the converter, not on every step.
+
+Tensor parallelism (MindFormers' and Megatron's split of MLA): the latent down-projections q_a and kv_a and their
+norms are replicated, q_b and kv_b are column-parallel over the heads (each rank computes H/tp heads), o_proj is
+row-parallel. The region is entered once, on the normed input (under sequence parallelism: the sequence all-gather),
+so attention runs on the whole sequence of the rank's heads with global RoPE positions and per-document masks.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from telechat_moe.config import ModelConfig, yarn_mscale
-from telechat_moe.layers import Linear, RMSNorm, ms_dtype
+from parallel.tp.mappings import EnterRegion, TensorParallel
+from telechat_moe.layers import Linear, RMSNorm, column_linear, ms_dtype, row_linear, weight_seed
 
 MASK_VALUE = -1e9
 
@@ -97,27 +103,41 @@ class AttentionCore(nn.Cell):
 
 
 class MultiLatentAttention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU", seed: int = 0, name: str = "self_attn",
+                 tp: TensorParallel = TensorParallel()):
+        """`name`: the cell's parameter prefix (e.g. layers.3.self_attn), which seeds its weights."""
         super().__init__()
         std, cdt = cfg.initializer_range, ms_dtype(cfg.compute_dtype)
         self.cfg = cfg
-        self.num_heads = cfg.num_attention_heads
+        H = cfg.num_attention_heads
+        self.num_heads = tp.local(H, "num_attention_heads")    # this rank's heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+
+        def seed_of(what):
+            return weight_seed(seed, f"{name}.{what}")
+
+        self.enter = EnterRegion(tp)
         if cfg.q_lora_rank:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, std, cdt)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, std, cdt, seed_of("q_a_proj"))
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps) if cfg.qk_layernorm else nn.Identity()
-            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, std, cdt)
+            self.q_b_proj = column_linear(cfg.q_lora_rank, H * cfg.qk_head_dim, std, cdt, seed_of("q_b_proj"), tp,
+                                          input_ready=True)
         else:
-            self.q_proj = Linear(cfg.hidden_size, self.num_heads * cfg.qk_head_dim, std, cdt)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, std, cdt)
+            self.q_proj = column_linear(cfg.hidden_size, H * cfg.qk_head_dim, std, cdt, seed_of("q_proj"), tp,
+                                        input_ready=True)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, std, cdt,
+                                         seed_of("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps) if cfg.qk_layernorm else nn.Identity()
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), std, cdt)
-        self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, std, cdt)
+        self.kv_b_proj = column_linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), std, cdt, seed_of("kv_b_proj"),
+                                       tp, input_ready=True)
+        self.o_proj = row_linear(H * self.v_dim, cfg.hidden_size, std, cdt, seed_of("o_proj"), tp)
         self.core = AttentionCore(cfg, device_target)
 
     def construct(self, x, cos, sin, mask):
         """`mask` is what the attention kernel needs: the additive bias [b, 1, s, s] (dense) or the segment ids
-        [b, s] (varlen); TeleChatMoE.attention_mask makes it."""
+        [b, s] (varlen); TeleChatMoE.attention_mask makes it. `x` is [b, s, h], or under sequence parallelism this
+        rank's [b, s/tp, h] (and so is the output)."""
+        x = self.enter(x)
         b, s, _ = x.shape
         h = self.num_heads
         if self.cfg.q_lora_rank:

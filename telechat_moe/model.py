@@ -3,6 +3,11 @@
 `construct` returns the losses separately (total, LM, MTP, aux, z) and the per-MoE-layer expert load, so the
 trainer can log them and update the expert bias outside the gradient. Layers sit in one CellList and
 `run_layers(h, start, end)` runs any contiguous slice of them, which is what a pipeline chunk is.
+
+Built for one rank of a layout: `ep` says which routed experts it holds, `tp` its tensor-parallel group. Over tp > 1
+the embedding and the output head are split over the vocabulary (vocab-parallel cross-entropy: no rank holds a
+full row of logits), attention over heads, the FFNs over their columns (parallel/tp); under sequence parallelism
+the residual stream between the regions is this rank's sequence shard [b, s/tp, h].
 """
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ from mindspore import Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import grouped_matmul_for
 from telechat_moe.config import ModelConfig
-from telechat_moe.layers import Embedding, Linear, RMSNorm, SwiGLU, logsumexp, ms_dtype
+from parallel.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
+from parallel.tp.mappings import TensorParallel
+from telechat_moe.layers import Embedding, Linear, RMSNorm, SwiGLU, column_linear, logsumexp, ms_dtype, weight_seed
 from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.layer import ROUTING_STATS, MoELayer
@@ -25,19 +32,27 @@ def pipeline_cell_names():
     return CellNames(embedding=("embed_tokens",), layer="layers.{i}", mtp=("mtp.0",), head=("norm", "lm_head"))
 
 
+# Replicated weights inside a tensor-parallel region: each rank's gradient is its share (its heads, its tokens)
+INSIDE_REGIONS = (".self_attn.q_a_proj.", ".self_attn.q_a_layernorm.", ".self_attn.kv_a_proj_with_mqa.",
+                  ".self_attn.kv_a_layernorm.", ".mlp.gate.")
+
+
 class DecoderLayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, index: int, grouped_matmul, device_target: str = "CPU",
-                 ep: ExpertParallel = ExpertParallel()):
+                 ep: ExpertParallel = ExpertParallel(), tp: TensorParallel = TensorParallel(), seed: int = 0,
+                 name: str = ""):
+        """`name`: the layer's parameter prefix (layers.3, mtp.0.block), which seeds its weights."""
         super().__init__()
+        name = name or f"layers.{index}"
         self.is_moe = cfg.is_moe_layer(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiLatentAttention(cfg, device_target)
+        self.self_attn = MultiLatentAttention(cfg, device_target, seed, f"{name}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, grouped_matmul, index, ep)
+            self.mlp = MoELayer(cfg, grouped_matmul, index, ep, tp, seed, f"{name}.mlp")
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
-                              ms_dtype(cfg.compute_dtype))
+                              ms_dtype(cfg.compute_dtype), seed, f"{name}.mlp", tp)
         self.zero = Tensor(0.0, ms.float32)
         self.no_load = Tensor(np.zeros(cfg.n_routed_experts + ROUTING_STATS, np.float32))
 
@@ -58,25 +73,60 @@ class DecoderLayer(nn.Cell):
 
 
 class TeleChatMoE(nn.Cell):
-    def __init__(self, cfg: ModelConfig, device_target: str = "CPU", ep: ExpertParallel = ExpertParallel()):
-        """`ep`: this rank's share of the routed experts and its exchanges (the default: every expert here)."""
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU", ep: ExpertParallel = ExpertParallel(),
+                 tp: TensorParallel = TensorParallel()):
+        """`ep`: this rank's share of the routed experts and its exchanges (the default: every expert here); `tp`:
+        its tensor-parallel group (the default: none). Weights are seeded by MindSpore's global seed."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        seed = ms.get_seed() or 0
         gmm = grouped_matmul_for(device_target)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
-        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep) for i in range(cfg.num_hidden_layers)])
+        std = cfg.initializer_range
+        if tp.tp == 1:
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, weight_seed(seed, "embed_tokens"))
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.transport, std, tp.sp,
+                                                       weight_seed(seed, "embed_tokens"))
+        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep, tp, seed)
+                                   for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The head computes in float32 (logits feed the softmax) and runs as its own cell, so a pipeline plan
-        # that gives lm_head a stage moves its matmul there, not only its weight.
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, ms.float32)
-        self.mtp = nn.CellList([MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep))
-                                for d in range(cfg.num_nextn_predict_layers)])
+        # that gives lm_head a stage moves its matmul there, not only its weight. Over tp its output is this
+        # rank's vocabulary columns.
+        head_kwargs = {} if tp.tp == 1 else {"sequence_parallel": tp.sp}
+        self.lm_head = None if cfg.tie_word_embeddings else column_linear(
+            cfg.hidden_size, cfg.vocab_size, std, ms.float32, weight_seed(seed, "lm_head"), tp, **head_kwargs)
+        self.vocab_cross_entropy = VocabParallelCrossEntropy(tp.transport) if tp.tp > 1 else None
+        self.mtp = nn.CellList([
+            MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed,
+                                       f"mtp.{d}.block"), seed, f"mtp.{d}", tp)
+            for d in range(cfg.num_nextn_predict_layers)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.causal = Tensor(np.tril(np.ones((cfg.seq_length, cfg.seq_length), dtype=np.bool_)))
         self.head_matmul = ops.MatMul(transpose_b=True)
+
+    def tp_split_axes(self) -> dict[str, int]:
+        """{parameter name: the axis split over tp} of the tensor-parallel weights this rank holds a slice of."""
+        from parallel.tp import ColumnParallelLinear, RowParallelLinear
+        out = {}
+        for name, cell in self.cells_and_names():
+            if isinstance(cell, (ColumnParallelLinear, RowParallelLinear)):
+                out[f"{name}.weight"] = cell.split_axis
+            elif isinstance(cell, VocabParallelEmbedding):
+                out[f"{name}.weight"] = 0
+        return out
+
+    def partial_over_tp(self, name: str) -> bool:
+        """Whether the replicated weight `name` gets only this rank's share of its gradient (summed over tp by the
+        trainer): under sequence parallelism every replicated weight (they see sequence shards or sit inside a
+        region), otherwise those inside a region (INSIDE_REGIONS); a weight replicated outside any region sees the
+        same tensors on every rank and gets the whole gradient."""
+        if self.tp.tp == 1 or name in self.tp_split_axes():
+            return False
+        return self.tp.sp or any(part in f".{name}" for part in INSIDE_REGIONS)
 
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation (recompute_config): `full` keeps each decoder layer's input only and reruns
@@ -114,15 +164,17 @@ class TeleChatMoE(nn.Cell):
         return h, aux, z, loads
 
     def logits(self, h):
-        """[batch*seq, vocab] float32 logits."""
-        b, s, d = h.shape
+        """[batch*seq, vocab] float32 logits (over tp: this rank's vocabulary columns [batch*seq, vocab/tp], of
+        the whole sequence also under sequence parallelism)."""
         if self.lm_head is not None:
-            return self.lm_head(h.astype(ms.float32)).reshape(b * s, -1)
-        return self.head_matmul(h.reshape(b * s, d).astype(ms.float32), self.embed_tokens.weight)
+            out = self.lm_head(h.astype(ms.float32))
+            return out.reshape(-1, out.shape[-1])
+        return self.head_matmul(h.reshape(-1, h.shape[-1]).astype(ms.float32), self.embed_tokens.weight)
 
-    @staticmethod
-    def cross_entropy(logits, labels, mask):
-        """Mean over masked-in positions of -log softmax(logits)[label], in float32."""
+    def cross_entropy(self, logits, labels, mask):
+        """Mean over masked-in positions of -log softmax(logits)[label], in float32 (vocab-parallel over tp)."""
+        if self.vocab_cross_entropy is not None:
+            return self.vocab_cross_entropy(logits, labels, mask)
         labels = labels.reshape(-1, 1)
         nll = logsumexp(logits, -1) - ops.gather_elements(logits, 1, labels).squeeze(-1)
         mask = mask.reshape(-1).astype(ms.float32)

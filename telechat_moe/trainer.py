@@ -4,7 +4,10 @@ One optimizer step: the rank's share of the global batch is split into `micro_ba
 gradients are summed (graph-mode forward+backward per micro-batch), then scaled, all-reduced (dense weights over
 the data-parallel ranks, this rank's routed experts over the ranks holding the same experts), clipped and applied.
 Under expert parallelism each rank builds only its share of the routed experts and the MoE layers exchange token
-copies with the EP group (telechat_moe/moe/dispatch.py). The router's expert bias is then moved by its own rule
+copies with the EP group (telechat_moe/moe/dispatch.py). Under tensor parallelism each rank builds its slices of
+the split weights (parallel/tp); the replicated weights whose gradient is only the rank's share are summed over the
+tensor-parallel group too (TeleChatMoE.partial_over_tp), and the ranks of a tensor-parallel group train on the same
+rows of the batch. The router's expert bias is then moved by its own rule
 from the expert load summed over every rank, identically on every rank, never by the gradient.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
 from parallel.comm import AllReduce, ProcessGroups, transport_for
 from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
+from parallel.tp.mappings import TensorParallel
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.dry_run import DTYPE_BYTES
 from telechat_moe.metrics import StepLogger, Timer, info
@@ -58,18 +62,33 @@ class ForwardBackward(nn.Cell):
         return total, lm, mtp, aux, z, loads, grads
 
 
-class PrepareGradients(nn.Cell):
-    """Unscale, average over the global batch, measure the global norm and clip. A dense (replicated) gradient is
-    summed over the data-parallel group; a routed expert's already holds its EP group's tokens (the all-to-all's
-    backward brought them) and is summed over the expert-data-parallel group, the ranks holding the same experts.
-    Both are divided by dp, as the loss is each data-parallel rank's mean. The norm adds the expert shards' squares
-    over the EP group, so it is the norm of the whole model's gradient."""
+# How a weight's gradient is reduced (PrepareGradients)
+REPLICATED, PARTIAL, TP_SHARD, EXPERT = 0, 1, 2, 3
 
-    def __init__(self, weights: ParameterTuple, dp: int, clip: float, comm: "GradientGroups"):
+
+def gradient_kind(name: str, model: TeleChatMoE) -> int:
+    if is_routed_expert(name):
+        return EXPERT
+    if name in model.tp_split_axes():
+        return TP_SHARD
+    return PARTIAL if model.partial_over_tp(name) else REPLICATED
+
+
+class PrepareGradients(nn.Cell):
+    """Unscale, average over the global batch, measure the global norm and clip. A dense gradient is summed over
+    the data-parallel group (a replicated weight's, also over the tensor-parallel group where each rank holds only
+    its share: `PARTIAL`); a routed expert's already holds its EP group's tokens (the all-to-all's backward brought
+    them) and is summed over the expert-data-parallel group, the ranks holding the same experts. All are divided
+    by dp, as the loss is each data-parallel rank's mean. The norm adds the squares of the tensor-parallel slices
+    over the tp group and of the expert shards over the EP group, so it is the norm of the whole model's
+    gradient."""
+
+    def __init__(self, weights: ParameterTuple, kinds: tuple, dp: int, clip: float, comm: "GradientGroups"):
         super().__init__(auto_prefix=False)
         self.map = ops.HyperMap()
-        self.expert = tuple(is_routed_expert(w.name) for w in weights)
+        self.kinds = kinds
         self.dense_sum = AllReduce(comm.dp)
+        self.tp_sum = AllReduce(comm.tp)
         self.expert_sum = AllReduce(comm.edp)
         self.shard_sum = AllReduce(comm.ep)
         self.dp = dp
@@ -77,16 +96,22 @@ class PrepareGradients(nn.Cell):
 
     def construct(self, grads, grad_scale):
         reduced = ()
-        dense_sq, expert_sq = ops.zeros((), ms.float32), ops.zeros((), ms.float32)
+        dense_sq, tp_sq, expert_sq = ops.zeros((), ms.float32), ops.zeros((), ms.float32), ops.zeros((), ms.float32)
         for i in range(len(grads)):
-            if self.expert[i]:
+            if self.kinds[i] == EXPERT:
                 g = self.expert_sum(grads[i] * grad_scale) / self.dp
                 expert_sq = expert_sq + lambda_sum_squares(g)
+            elif self.kinds[i] == TP_SHARD:
+                g = self.dense_sum(grads[i] * grad_scale) / self.dp
+                tp_sq = tp_sq + lambda_sum_squares(g)
+            elif self.kinds[i] == PARTIAL:
+                g = self.tp_sum(self.dense_sum(grads[i] * grad_scale)) / self.dp
+                dense_sq = dense_sq + lambda_sum_squares(g)
             else:
                 g = self.dense_sum(grads[i] * grad_scale) / self.dp
                 dense_sq = dense_sq + lambda_sum_squares(g)
             reduced = reduced + (g,)
-        norm = ops.sqrt(dense_sq + self.shard_sum(expert_sq))
+        norm = ops.sqrt(dense_sq + self.tp_sum(tp_sq) + self.shard_sum(expert_sq))
         finite = ops.isfinite(norm)
         if self.clip > 0:
             factor = self.clip / ops.maximum(norm, self.clip)
@@ -96,15 +121,17 @@ class PrepareGradients(nn.Cell):
 
 @dataclass
 class GradientGroups:
-    """The transports gradients are reduced on: data-parallel, expert-data-parallel and expert-parallel groups."""
+    """The transports gradients are reduced on: data-parallel, expert-data-parallel, expert-parallel and
+    tensor-parallel groups."""
     dp: object
     edp: object
     ep: object
+    tp: object
 
     @classmethod
     def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
         groups = ProcessGroups(layout, rank)
-        return cls(*(transport_for(groups.axis(a), device_target) for a in (Axis.DP, Axis.EDP, Axis.EP)))
+        return cls(*(transport_for(groups.axis(a), device_target) for a in (Axis.DP, Axis.EDP, Axis.EP, Axis.TP)))
 
 
 def is_routed_expert(name: str) -> bool:
@@ -280,7 +307,8 @@ class Trainer:
 
         device = recipe.context.device_target
         self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device)
-        self.model = TeleChatMoE(cfg, device, self.ep)
+        self.tp = TensorParallel.of(recipe.layout, rank, device)
+        self.model = TeleChatMoE(cfg, device, self.ep, self.tp)
         self.model.set_recompute(recipe.recompute_config.mode)
         o = recipe.optimizer
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
@@ -288,10 +316,12 @@ class Trainer:
         self.weights = self.optimizer.parameters
         self.forward_backward = ForwardBackward(self.model, self.weights)
         self.groups = GradientGroups.of(recipe.layout, rank, device)
-        self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, p.data_parallel,
+        self._tp_axes = self.model.tp_split_axes()
+        kinds = tuple(gradient_kind(w.name, self.model) for w in self.weights)
+        self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, kinds, p.data_parallel,
                                                                            o.grad_clip, self.groups),
                                     self.optimizer, p.micro_batch_num)
-        self.sum_over_ranks = OverRanks(ops.AllReduce()) if p.data_parallel > 1 else None
+        self.sum_over_ranks = OverRanks(ops.AllReduce()) if world > 1 else None
         self.evaluate = Evaluate(self.model)
         self.biases = expert_biases(self.model)
         self.move_biases = (MoveExpertBiases(self.biases)
@@ -325,7 +355,7 @@ class Trainer:
             return None
         from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
         self.layer_outputs = LayerOutputs(self.model)
-        self.gather_over_ranks = OverRanks(ops.AllGather()) if self.sum_over_ranks is not None else None
+        self.gather_over_ranks = OverRanks(ops.AllGather()) if self.world > 1 else None
         meta = {"model_config_hash": config_hash(self.r.model.function()), "layout": layout_meta(self.r.layout),
                 "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
         return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
@@ -335,8 +365,8 @@ class Trainer:
         from precision.dump import TensorRecord
         ids, _, _, segments, positions = self._tensors(batch, slice(None))
         outs = self.layer_outputs(ids, segments, positions)
-        if self.gather_over_ranks is not None:  # the global batch: a DP run compares with any layout's
-            outs = [self.gather_over_ranks(o) for o in outs]
+        if self.gather_over_ranks is not None:  # the global batch: a parallel run compares with any layout's
+            outs = [self._global_batch(self.gather_over_ranks(o).asnumpy()) for o in outs]
         # (name, layer, operator) of each output: the embedding, per layer the stream after attention and after
         # the FFN (MoE or dense), the final norm
         where = [("embed_tokens", None, "embed_tokens")]
@@ -346,30 +376,52 @@ class Trainer:
         return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=self.r.model.hidden_size, dims="bsh")
                 for (name, layer, op), out in zip(where, outs)]
 
+    def _global_batch(self, gathered: np.ndarray) -> np.ndarray:
+        """Every rank's [b, s', h] in world-rank order -> the global batch [dp*b, s, h]: one copy per data-parallel
+        rank, its sequence shards put together under sequence parallelism (ranks are tp-fastest; pp = cp = 1)."""
+        tp = self.tp.tp
+        if tp == 1:
+            return gathered
+        parts = gathered.reshape((-1, tp, gathered.shape[0] // self.world) + gathered.shape[1:])  # [dp, tp, b, s', h]
+        whole = np.concatenate([parts[:, t] for t in range(tp)], axis=2) if self.tp.sp else parts[:, 0]
+        return whole.reshape((-1,) + whole.shape[2:])
+
     def _dump(self, step: int, forward: list, values: dict, grads) -> None:
         from precision.capture import grad_records, optimizer_records
         from precision.dump import TensorRecord
         names = [p.name for p in self.weights]
         opt = self.optimizer
         records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
-        # the whole model's tensors: a routed expert's gathered from the EP group, so any layout aligns with any
+        # the whole model's tensors: a routed expert's gathered from the EP group, a tensor-parallel slice from the
+        # tp group, so any layout aligns with any
         records += grad_records(names, [self._whole(n, g) for n, g in zip(names, grads)])
         records += optimizer_records({"adam_m": [self._whole(n, m) for n, m in zip(names, opt.exp_avg)],
                                       "adam_v": [self._whole(n, v) for n, v in zip(names, opt.exp_avg_sq)]}, names)
         self.dumper.write(step, records)
 
     def _whole(self, name: str, tensor):
+        value = Tensor(tensor.asnumpy())     # a value: moments are Parameters
+        axis = self._tp_axes.get(name)
+        if axis is not None:
+            if axis == 0:
+                return self.groups.tp.all_gather(value)
+            return ops.swapaxes(self.groups.tp.all_gather(ops.swapaxes(value, 0, axis)), 0, axis)
         if self.ep.ep == 1 or not is_routed_expert(name):
             return tensor
-        return self.groups.ep.all_gather(Tensor(tensor.asnumpy()))   # a value: moments are Parameters
+        return self.groups.ep.all_gather(value)
 
     def _shards(self) -> dict:
-        """The routed experts' slices this rank checkpoints (dim 0 over the EP group); nothing at ep=1."""
-        if self.ep.ep == 1:
-            return {}
-        e = self.r.model.n_routed_experts
-        first, _ = self.ep.experts(e)
-        return {p.name: Shard(0, first, e) for p in self._all_params() if is_routed_expert(p.name)}
+        """The slices this rank checkpoints: routed experts along dim 0 over the EP group, tensor-parallel weights
+        along their split axis over the tp group (with their Adam moments); the rest is replicated."""
+        out = {}
+        for p in self._all_params():
+            axis = self._tp_axes.get(p.name.split(".", 1)[1] if p.name.startswith("adam_") else p.name)
+            if axis is not None:
+                out[p.name] = Shard(axis, self.tp.index * p.shape[axis], self.tp.tp * p.shape[axis])
+            elif self.ep.ep > 1 and is_routed_expert(p.name):
+                e = self.r.model.n_routed_experts
+                out[p.name] = Shard(0, self.ep.experts(e)[0], e)
+        return out
 
     # -- data --
     def _prepare_data(self):

@@ -132,26 +132,30 @@ class ColumnParallelLinear(_ShardedLinear):
     `gather_output=True`: the output shards are all-gathered into the full [..., out] on every rank (backward: this
     rank's slice of dy, no collective); not with sequence_parallel (Megatron's rule: sequence-parallel output goes to a
     row-parallel layer).
+    `input_ready=True`: the caller has already placed the input's collective (`parallel.tp.mappings.EnterRegion`,
+    one copy or gather shared by the region's layers, e.g. gate and up of an FFN or MLA's q_b and kv_b).
     """
     split_axis = 0
 
     def __init__(self, in_features: int, out_features: int, tp_transport, init_std: float, dtype=ms.float32,
                  sequence_parallel: bool = False, gather_output: bool = False, seed: int = 0,
-                 full_weight: np.ndarray | None = None):
+                 full_weight: np.ndarray | None = None, input_ready: bool = False):
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output with sequence_parallel (the output of a "
                              "sequence-parallel column layer is a row-parallel layer's input)")
         super().__init__(in_features, out_features, tp_transport, init_std, dtype, seed, full_weight)
         self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
+        self.input_ready = input_ready
         self.copy = CopyToGroup(tp_transport)
         self.seq_gather = GatherFromGroup(tp_transport)
         self.out_gather = _GatherReplicated(tp_transport)
 
     def construct(self, x):
-        if self.sequence_parallel:
-            x = _seq_first(self.seq_gather(_seq_first(x)))
-        else:
-            x = self.copy(x)
+        if not self.input_ready:
+            if self.sequence_parallel:
+                x = _seq_first(self.seq_gather(_seq_first(x)))
+            else:
+                x = self.copy(x)
         y = self._local(x)
         if self.gather_output:
             shape = y.shape

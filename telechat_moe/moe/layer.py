@@ -2,15 +2,21 @@
 
 `moe_comm_chunks: c` runs dispatch, experts and combine on c slices of the tokens one after another: the slices
 are independent branches of one graph, so on Ascend one slice's exchange can overlap another's expert compute; the
-result equals the unsliced layer's."""
+result equals the unsliced layer's.
+
+Under tensor parallelism the rank routes and dispatches its own 1/tp of the sequence positions: its sequence shard
+under sequence parallelism, otherwise its slice of the replicated input, the routed outputs then gathered back.
+The EP group folds over the tensor-parallel ranks (ParallelLayout's expert slab), so the tp ranks of one group
+exchange their token shares with each other's experts; the shared expert is a tensor-parallel SwiGLU."""
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import nn, ops
 
 from parallel.ep.counts import dispatch_counts
+from parallel.tp.mappings import GatherSequenceReplicated, SplitSequence, TensorParallel
 from telechat_moe.config import ModelConfig
-from telechat_moe.layers import SwiGLU, ms_dtype
+from telechat_moe.layers import SwiGLU, ms_dtype, weight_seed
 from telechat_moe.moe.dispatch import ExpertParallel, make_dispatcher
 from telechat_moe.moe.experts import GroupedExperts
 from telechat_moe.moe.router import TopKRouter
@@ -20,15 +26,21 @@ ROUTING_STATS = 4   # the traffic counts after the expert load in a layer's rout
 
 
 class MoELayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, grouped_matmul, layer: int = 0, ep: ExpertParallel = ExpertParallel()):
+    def __init__(self, cfg: ModelConfig, grouped_matmul, layer: int = 0, ep: ExpertParallel = ExpertParallel(),
+                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp"):
         super().__init__()
         cdt = ms_dtype(cfg.compute_dtype)
-        self.gate = TopKRouter(cfg, expert_groups=ep.ep)
+        self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), tp)
         self.dispatcher = make_dispatcher(cfg.n_routed_experts, cfg.num_experts_per_tok, ep)
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.initializer_range, grouped_matmul, cdt, layer)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
-                                     cfg.initializer_range, cdt)
+                                     cfg.initializer_range, cdt, seed, f"{name}.shared_experts", tp)
+        # the rank's token share under tp without sequence parallelism: split off, and the outputs gathered back
+        self.split = tp.tp > 1 and not tp.sp
+        if self.split:
+            self.split_tokens = SplitSequence(tp)
+            self.gather_tokens = GatherSequenceReplicated(tp)
         self.chunks = cfg.moe_comm_chunks
         self.ep = ep
         self.experts_per_rank = cfg.n_routed_experts // ep.ep
@@ -45,10 +57,11 @@ class MoELayer(nn.Cell):
                                self.ep.ep // self.ep.ranks_per_node)
 
     def construct(self, x):
-        """x [b, s, h] -> (y [b, s, h], aux loss, z loss, routing statistics [E + 4]: the expert load, then the
-        dispatch traffic of `traffic`)."""
-        b, s, h = x.shape
-        flat = x.reshape(b * s, h)
+        """x [b, s, h] (under sequence parallelism this rank's [b, s/tp, h]) -> (y like x, aux loss, z loss, routing
+        statistics [E + 4]: the load of the tokens this rank routed, then their dispatch traffic of `traffic`)."""
+        mine = self.split_tokens(x) if self.split else x
+        b, s, h = mine.shape
+        flat = mine.reshape(b * s, h)
         indices, weights, aux, z, load = self.gate(flat, b)
         if self.chunks == 1:
             routed = self.routed(flat, indices, weights)
@@ -60,4 +73,7 @@ class MoELayer(nn.Cell):
                                              weights[i * n:(i + 1) * n]),)
             routed = ops.concat(parts, 0)
         stats = ops.concat((load, self.traffic(indices)))
-        return routed.astype(x.dtype).reshape(b, s, h) + self.shared_experts(x), aux, z, stats
+        routed = routed.astype(x.dtype).reshape(b, s, h)
+        if self.split:
+            routed = self.gather_tokens(routed)
+        return routed + self.shared_experts(x), aux, z, stats

@@ -4,22 +4,29 @@ optional z-loss.
 
 The expert bias only changes which experts are chosen, never the combine weights, and it is not trained by the
 gradient: `update_expert_bias` moves it after each step towards equal load (DeepSeek-V3's rule).
+
+Under tensor parallelism each rank routes its own 1/tp of the sequence positions (every token is routed once, by
+one rank), and the losses' statistics (per-sequence counts and score sums, the z-loss sum) are summed over the
+tensor-parallel group first, so each rank's balance losses are those of the whole sequences.
 """
 from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
 
+from parallel.comm import ReduceFromGroup
+from parallel.tp.layers import full_normal
+from parallel.tp.mappings import TensorParallel
 from telechat_moe.config import ModelConfig
 from telechat_moe.layers import logsumexp
 
 
 class TopKRouter(nn.Cell):
-    def __init__(self, cfg: ModelConfig, expert_groups: int = 1):
+    def __init__(self, cfg: ModelConfig, expert_groups: int = 1, seed=(0, 0), tp: TensorParallel = TensorParallel()):
         """`expert_groups` (D): the expert-parallel degree; the device-level balance loss treats experts
-        [d*E/D, (d+1)*E/D) as the group on rank d of the EP group."""
+        [d*E/D, (d+1)*E/D) as the group on rank d of the EP group. `tp`: the group whose ranks each route a
+        share of the sequence positions (see the module docstring)."""
         super().__init__()
         e = cfg.n_routed_experts
         if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
@@ -29,8 +36,11 @@ class TopKRouter(nn.Cell):
         self.cfg = cfg
         self.expert_groups = int(expert_groups)
         self.num_experts, self.top_k = e, cfg.num_experts_per_tok
-        self.weight = Parameter(initializer(Normal(cfg.initializer_range), (e, cfg.hidden_size), ms.float32),
+        self.weight = Parameter(Tensor(full_normal((e, cfg.hidden_size), cfg.initializer_range, seed)),
                                 name="weight")
+        # the sums over the tp group (identity at tp=1); the backward passes each rank its own share
+        self.over_tp = ReduceFromGroup(tp.transport) if tp.tp > 1 else nn.Identity()
+        self.tp = tp.tp
         self.expert_bias = Parameter(Tensor(np.zeros(e, np.float32)), name="expert_bias", requires_grad=False)
         self.matmul = ops.MatMul(transpose_b=True)
         self.on_value, self.off_value = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
@@ -73,28 +83,30 @@ class TopKRouter(nn.Cell):
             aux = aux + self._device_aux_loss(scores, load)
         z = self.zero
         if self.cfg.moe_z_loss_coeff > 0:
-            z = ops.mean(ops.square(logsumexp(logits, -1))) * self.cfg.moe_z_loss_coeff
+            z = self.over_tp(ops.square(logsumexp(logits, -1)).sum()) / (logits.shape[0] * self.tp) \
+                * self.cfg.moe_z_loss_coeff
         return indices.astype(ms.int32), weights, aux, z, ops.stop_gradient(load)
 
     def _sequence_aux_loss(self, scores, selected, batch: int):
         """alpha * sum_e f_e * P_e per sequence, averaged over sequences (DeepSeek-V3, eq. 17-20)."""
-        t = scores.shape[0]
-        seq = t // batch
+        local = scores.shape[0] // batch
+        seq = local * self.tp
         e, k = self.num_experts, self.top_k
-        f = ops.stop_gradient(selected).reshape(batch, seq, e).sum(1) * (e / (k * seq))
+        counts = self.over_tp(ops.stop_gradient(selected).reshape(batch, local, e).sum(1))
+        f = ops.stop_gradient(counts) * (e / (k * seq))
         normed = scores / (scores.sum(-1, keepdims=True) + 1e-20)
-        p = normed.reshape(batch, seq, e).mean(1)
+        p = self.over_tp(normed.reshape(batch, local, e).sum(1)) / seq
         return (f * p).sum(-1).mean() * self.cfg.moe_aux_loss_coeff
 
     def _device_aux_loss(self, scores, load):
         """alpha_2 * sum_d f'_d * P'_d over the D expert groups, on the whole micro-batch (DeepSeek-V2, eq. 15-17):
         f'_d the mean of f_e = E / (k T) * load_e over group d's experts (a count, no gradient), P'_d the sum over
         them of P_e, the mean over the T tokens of the normalised score (as in the sequence-level loss)."""
-        t = scores.shape[0]
+        t = scores.shape[0] * self.tp
         e, k, d = self.num_experts, self.top_k, self.expert_groups
-        f = ops.stop_gradient(load) * (e / (k * t))
+        f = ops.stop_gradient(self.over_tp(load)) * (e / (k * t))
         normed = scores / (scores.sum(-1, keepdims=True) + 1e-20)
-        p = normed.mean(0)
+        p = self.over_tp(normed.sum(0)) / t
         f_group = f.reshape(d, e // d).mean(-1)
         p_group = p.reshape(d, e // d).sum(-1)
         return (f_group * p_group).sum() * self.cfg.moe_device_aux_loss_coeff
