@@ -23,7 +23,9 @@ from telechat_moe.errors import RecipeError, require
 ALIASES = {"top_k": "num_experts_per_tok", "num_layers": "num_hidden_layers", "num_experts": "n_routed_experts",
            "n_experts": "n_routed_experts", "num_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
            "tensor_parallel": "model_parallel", "pipeline_parallel": "pipeline_stage", "lr": "learning_rate",
-           "max_steps": "train_steps", "batch_size": "global_batch_size"}
+           "max_steps": "train_steps", "batch_size": "global_batch_size",
+           "max_device_memory": "max_device_memory_gb", "mempool_block_size": "mempool_block_size_gb",
+           "jit_config": "jit_level", "train_precision_sync": "deterministic"}
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # Sections nest two levels (model.hidden_size); lists of lists a few more. Deeper is not a recipe (and would
 # exhaust the recursion of merging and copying).
@@ -121,14 +123,37 @@ class DataConfig:
     max_context_loss: float = 1.0                # repack: most share of a batch's tokens its cuts may cut off
 
 
+# A switch MindSpore spells ON / OFF (YAML reads a bare ON or OFF as a boolean; both spellings are taken).
+OnOff = typing.NewType("OnOff", str)
+
+
 @dataclass
 class ContextConfig:
+    """MindSpore's context (telechat_moe.context.configure_mindspore applies it), MindFormers' key names where it has
+    them (max_device_memory and mempool_block_size are numbers of GB here)."""
     mode: int = 0                         # 0 graph, 1 pynative (MindSpore's numbering)
     device_target: str = "CPU"
-    jit_level: str = "O0"
+    jit_level: str = "O0"                 # O0 | O1 (graph-kernel fusion: DVM on Ascend) | O2 (Ascend: whole graph sunk)
     enable_graph_kernel: bool = False
-    max_device_memory_gb: float = 0.0     # 0: this machine's memory (CPU) / unknown
+    max_device_memory_gb: float = 0.0     # 0: this machine's memory (CPU) / unknown; Ascend: the memory pool's cap
+    mempool_block_size_gb: float = 0.0    # Ascend: the memory pool's growth step; 0: MindSpore's (2 GB)
+    memory_optimize_level: str = "O0"     # O0 | O1 (MindSpore's memory-reuse optimisation)
+    deterministic: OnOff = "OFF"          # ON: deterministic kernels and HCCL reductions (mindspore.set_deterministic)
+    # Ascend only (HCCL's environment, set before communication init; 0: leave what the environment has, else HCCL's
+    # default). On CPU the transport is mccl and nothing reads them.
+    hccl_connect_timeout: int = 0         # seconds to build the links, HCCL_CONNECT_TIMEOUT: 120 to 7200 (HCCL: 120)
+    hccl_exec_timeout: int = 0            # seconds a collective waits for its peers, HCCL_EXEC_TIMEOUT (HCCL: 1836)
+    hccl_buffsize: int = 0                # MB of buffer per communicator, HCCL_BUFFSIZE (HCCL: 200)
     peak_tflops: float = 0.0              # for MFU; 0: measured fp32 GEMM FLOP/s of this machine
+
+
+# What telechat_moe.context accepts and passes on (validate() names the field of a value outside them).
+JIT_LEVELS = ("O0", "O1", "O2")
+MEMORY_OPTIMIZE_LEVELS = ("O0", "O1")
+HCCL_CONNECT_TIMEOUT_RANGE = (120, 7200)
+HCCL_EXEC_TIMEOUT_MAX = 2**31 - 1
+# The smallest size in GB written as MindSpore's "xxGB" string (six decimals).
+MIN_GB = 1e-6
 
 
 @dataclass
@@ -246,6 +271,12 @@ def apply_override(raw: dict, assignment: str) -> None:
 
 
 def _coerce(value, tp, key: str):
+    if tp is OnOff:
+        if isinstance(value, bool):
+            return "ON" if value else "OFF"
+        if isinstance(value, str) and value.upper() in ("ON", "OFF"):
+            return value.upper()
+        raise RecipeError(f"{key}: expected ON or OFF, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -392,6 +423,28 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")
     require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
              "model.compute_dtype: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
+    _validate_context(r.context)
+
+
+def _validate_context(c: ContextConfig) -> None:
+    require(c.jit_level in JIT_LEVELS, f"context.jit_level: expected O0, O1 or O2, got {c.jit_level!r}")
+    require(c.memory_optimize_level in MEMORY_OPTIMIZE_LEVELS,
+             f"context.memory_optimize_level: expected O0 or O1, got {c.memory_optimize_level!r}")
+    for key in ("max_device_memory_gb", "mempool_block_size_gb"):
+        gb = getattr(c, key)
+        require(math.isfinite(gb) and (gb == 0 or gb >= MIN_GB),
+                 f"context.{key}: expected 0 (MindSpore's default) or a size in GB of at least {MIN_GB:g}, got {gb}")
+    low, high = HCCL_CONNECT_TIMEOUT_RANGE
+    require(c.hccl_connect_timeout == 0 or low <= c.hccl_connect_timeout <= high,
+             f"context.hccl_connect_timeout: expected 0 (leave HCCL_CONNECT_TIMEOUT as it is) or seconds from {low} "
+             f"to {high}, got {c.hccl_connect_timeout}")
+    require(0 <= c.hccl_exec_timeout <= HCCL_EXEC_TIMEOUT_MAX,
+             f"context.hccl_exec_timeout: expected 0 (leave HCCL_EXEC_TIMEOUT as it is) or seconds up to "
+             f"{HCCL_EXEC_TIMEOUT_MAX}, got {c.hccl_exec_timeout}")
+    require(c.hccl_buffsize >= 0, f"context.hccl_buffsize: expected 0 (leave HCCL_BUFFSIZE as it is) or MB >= 1, "
+                                  f"got {c.hccl_buffsize}")
+    require(c.peak_tflops >= 0 and math.isfinite(c.peak_tflops),
+             f"context.peak_tflops: expected 0 (measure this machine) or a finite number > 0, got {c.peak_tflops}")
 
 
 def launched_processes(env: Mapping[str, str]) -> int:
@@ -407,10 +460,12 @@ def check_trainable(r: Recipe, processes: int) -> None:
     dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
     communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
     p, m = r.parallel_config, r.model
-    for key, degree in (("model_parallel", p.model_parallel), ("pipeline_stage", p.pipeline_stage),
-                        ("context_parallel", p.context_parallel), ("expert_model_parallel", p.expert_model_parallel)):
-        require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data and expert parallelism "
-                             f"are); use --dry-run to plan this layout")
+    for key, degree in (("pipeline_stage", p.pipeline_stage), ("context_parallel", p.context_parallel),
+                        ("expert_model_parallel", p.expert_model_parallel)):
+        require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data, tensor, sequence and expert "
+                             f"parallelism are); use --dry-run to plan this layout")
+    if p.model_parallel > 1:
+        _check_tensor_parallel(r)
     require(p.expert_parallel == 1 or m.moe_token_dispatcher_type != "local",
              f"model.moe_token_dispatcher_type: 'local' keeps every expert on every rank; expert_parallel="
              f"{p.expert_parallel} needs alltoall or hierarchical")
@@ -421,6 +476,33 @@ def check_trainable(r: Recipe, processes: int) -> None:
              f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = {p.data_parallel}*"
              f"{p.model_parallel}*{p.context_parallel}*{p.pipeline_stage} = {devices}, but {launched} (use msrun "
              f"--worker_num={world}, or change parallel_config)")
+
+
+def _check_tensor_parallel(r: Recipe) -> None:
+    """What the tensor-parallel model splits over model_parallel ranks, each split whole: attention heads, the
+    tokens of a sequence (each rank routes its share; under sequence parallelism the residual stream is a sequence
+    shard), the vocabulary of the embedding, head and cross-entropy (always, whatever vocab_emb_dp says), the dense
+    and shared-expert FFN columns. Some of these validate() checks for any plan already; training checks them all."""
+    p, m = r.parallel_config, r.model
+    tp = p.model_parallel
+    require(m.num_attention_heads % tp == 0,
+             f"model.num_attention_heads: {m.num_attention_heads} heads are not divisible by model_parallel={tp}")
+    shards = "the sequence shards of sequence parallelism" if p.use_seq_parallel else "each rank's share of the tokens"
+    require(m.seq_length % tp == 0,
+             f"model.seq_length: {m.seq_length} is not divisible by model_parallel={tp} ({shards})")
+    require(m.vocab_size % tp == 0,
+             f"model.vocab_size: {m.vocab_size} is not divisible by model_parallel={tp}; training under tensor "
+             f"parallelism splits the embedding and head by vocabulary (vocab_emb_dp is planned, not trained): pad "
+             f"it to a multiple")
+    require(m.first_k_dense_replace == 0 or m.intermediate_size % tp == 0,
+             f"model.intermediate_size: {m.intermediate_size} (the dense FFN) is not divisible by model_parallel={tp}")
+    shared = m.moe_shared_expert_intermediate_size * m.n_shared_experts
+    require(m.n_shared_experts == 0 or shared % tp == 0,
+             f"model.moe_shared_expert_intermediate_size: {m.moe_shared_expert_intermediate_size} x n_shared_experts="
+             f"{m.n_shared_experts} = {shared} (the shared experts' FFN) is not divisible by model_parallel={tp}")
+    require(not m.tie_word_embeddings,
+             f"model.tie_word_embeddings: a head tied to the embedding is not trained yet under tensor parallelism "
+             f"(model_parallel={tp}); untie it or use model_parallel=1")
 
 
 def _is_number(text: str) -> bool:

@@ -33,6 +33,7 @@ from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
 from parallel.tp.mappings import TensorParallel
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
+from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
 from telechat_moe.dry_run import DTYPE_BYTES
 from telechat_moe.metrics import StepLogger, Timer, info
 from telechat_moe.model import TeleChatMoE
@@ -264,15 +265,6 @@ class LossScaler:
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------
-def configure_mindspore(r: Recipe) -> None:
-    ms.set_context(mode=r.context.mode, jit_config={"jit_level": r.context.jit_level})
-    # MindSpore fixes the device once kernels have run; setting the same one again would be refused.
-    if ms.get_context("device_target") != r.context.device_target:
-        ms.set_device(r.context.device_target)
-    if r.context.enable_graph_kernel:
-        ms.set_context(enable_graph_kernel=True)
-
-
 def expert_biases(model: TeleChatMoE) -> list:
     """The routers' expert biases in the order of the model's expert-load output (MoE layers, then MTP)."""
     layers = [layer for layer in model.layers if layer.is_moe] + [block.block for block in model.mtp]

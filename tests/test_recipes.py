@@ -143,6 +143,89 @@ def test_layout_must_match_the_processes_launched():
         check_trainable(load_recipe("tiny"), launched_processes({"MS_WORKER_NUM": "2"}))
 
 
+def test_tensor_and_sequence_parallel_layouts_are_trainable():
+    """model_parallel > 1 trains (with or without sequence parallelism, beside data and expert parallelism): one
+    process per device of the layout."""
+    for sets, world in ((["parallel_config.model_parallel=2"], 2),
+                        (["parallel_config.model_parallel=2", "parallel_config.use_seq_parallel=true"], 2),
+                        (["parallel_config.model_parallel=4", "parallel_config.use_seq_parallel=true"], 4),
+                        (["parallel_config.model_parallel=2", "parallel_config.data_parallel=2",
+                          "parallel_config.expert_parallel=2", "parallel_config.use_seq_parallel=true"], 4)):
+        check_trainable(load_recipe("tiny", sets), processes=world)
+    with pytest.raises(RecipeError, match=r"= 2 devices, but 1 process was launched"):
+        check_trainable(load_recipe("tiny", ["parallel_config.model_parallel=2"]), processes=1)
+
+
+def _set(r, **model):
+    for key, value in model.items():
+        setattr(r.model, key, value)
+    return r
+
+
+TP2 = ["parallel_config.model_parallel=2"]
+SP2 = TP2 + ["parallel_config.use_seq_parallel=true"]
+# What tensor parallelism cannot train, each one line naming the field. Some a valid recipe never has (validate()
+# refuses them for any plan): those are set on the loaded recipe, as a recipe that skipped that check would hold them.
+TP_REFUSALS = [
+    (TP2, {"num_attention_heads": 3}, "model.num_attention_heads", ("3 heads", "model_parallel=2")),
+    (["parallel_config.model_parallel=4", "model.seq_length=126"], {}, "model.seq_length",
+     ("126", "each rank's share of the tokens")),
+    (SP2, {"seq_length": 127}, "model.seq_length", ("127", "sequence shards of sequence parallelism")),
+    (TP2 + ["model.vocab_size=4097", "parallel_config.vocab_emb_dp=true"], {}, "model.vocab_size",
+     ("4097", "by vocabulary")),
+    (TP2, {"intermediate_size": 771}, "model.intermediate_size", ("771", "dense FFN")),
+    (TP2, {"moe_shared_expert_intermediate_size": 191}, "model.moe_shared_expert_intermediate_size",
+     ("191 x n_shared_experts=1 = 191", "model_parallel=2")),
+    (TP2, {"moe_shared_expert_intermediate_size": 97, "n_shared_experts": 3},
+     "model.moe_shared_expert_intermediate_size", ("97 x n_shared_experts=3 = 291", "model_parallel=2")),
+    (TP2 + ["model.tie_word_embeddings=true"], {}, "model.tie_word_embeddings",
+     ("not trained yet under tensor parallelism",)),
+    (SP2 + ["model.tie_word_embeddings=true"], {}, "model.tie_word_embeddings", ("model_parallel=2",)),
+]
+
+
+@pytest.mark.parametrize("sets,model,field,hints", TP_REFUSALS,
+                         ids=[f"{t[2]}-{i}" for i, t in enumerate(TP_REFUSALS)])
+def test_what_tensor_parallelism_cannot_train_is_one_line(sets, model, field, hints):
+    r = _set(load_recipe("tiny", sets), **model)
+    with pytest.raises(RecipeError) as e:
+        check_trainable(r, processes=r.layout.world_size)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{field}:"), message
+    for hint in hints:
+        assert hint in message, message
+
+
+def test_the_same_sizes_train_without_tensor_parallelism():
+    """Each size refused above trains at model_parallel=1 (the rules are tensor parallelism's)."""
+    for sets, model, _, _ in TP_REFUSALS:
+        plain = [s for s in sets if not s.startswith("parallel_config.")]
+        check_trainable(_set(load_recipe("tiny", plain), **model), processes=1)
+
+
+@pytest.mark.parametrize("sets", [["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"],
+                                  ["parallel_config.context_parallel=2"],
+                                  ["parallel_config.expert_model_parallel=2", "parallel_config.data_parallel=2"]],
+                         ids=["pipeline_stage", "context_parallel", "expert_model_parallel"])
+def test_layouts_not_trained_yet_are_one_line(sets):
+    r = load_recipe("tiny", sets)
+    key = sets[0].split("=")[0]
+    with pytest.raises(RecipeError, match=rf"^{key}: 2 is not trained yet \(data, tensor, sequence and expert "
+                                          rf"parallelism are\); use --dry-run"):
+        check_trainable(r, processes=r.layout.world_size)
+
+
+def test_tied_head_under_tensor_parallelism_stops_before_mindspore(tmp_path):
+    """Through the command line, as msrun's two workers would each start it: one line, exit 2, MindSpore never
+    imported, nothing written."""
+    out = tmp_path / "out"
+    proc = run_cli("-c", MAIN_AND_MINDSPORE, "--recipe", "tiny", "--set", "parallel_config.model_parallel=2",
+                   "--set", "model.tie_word_embeddings=true", "--set", f"output_dir={out}",
+                   env={"MS_WORKER_NUM": "2"})
+    assert_one_line_error(proc, "model.tie_word_embeddings", "tensor parallelism")
+    assert proc.stdout.strip() == "False" and not out.exists()
+
+
 def test_expert_parallel_over_tp_spreads_whole_experts_over_the_tensor_ranks(capfd):
     """TP-extends-EP: tp=2 x ep=2 on 4 devices puts the 16 routed experts 4 per device, unsplit, the EP group
     taking in both tensor-parallel ranks and both data-parallel ones; without the option expert_parallel=2 is the

@@ -1,0 +1,94 @@
+"""MindSpore's context from a recipe's `context` section, applied once per process before communication init.
+
+Which call each setting becomes (MindSpore 2.9's own APIs, the ones its set_context deprecation notes point to; every
+call is checked against the installed package's signatures by tests/test_context.py):
+
+| recipe key | call | where |
+| --- | --- | --- |
+| mode, jit_level | `ms.set_context(mode=..., jit_config={"jit_level": ...})` | CPU, Ascend |
+| device_target | `ms.set_device(target)` (under msrun MindSpore picks each rank's device id) | CPU, Ascend |
+| enable_graph_kernel | `ms.set_context(enable_graph_kernel=True)` | CPU, Ascend |
+| max_device_memory_gb, mempool_block_size_gb | `ms.runtime.set_memory(max_size=, increase_size=)` ("NGB") | Ascend |
+| memory_optimize_level | `ms.runtime.set_memory(optimize_level=...)` | CPU, Ascend |
+| deterministic: ON | `ms.set_deterministic(True)` (also sets HCCL_DETERMINISTIC, TE_PARALLEL_COMPILER) | CPU, Ascend |
+| hccl_connect_timeout, hccl_exec_timeout, hccl_buffsize | `os.environ[HCCL_...]` | Ascend |
+
+On CPU, max_device_memory_gb stays the planner's and the fit check's budget only (MindSpore ignores a memory cap on
+CPU) and the HCCL variables are not set (the CPU transport is mccl). A setting at its default makes no call.
+set_memory and set_deterministic may each be called once per process: once made, a second configure_mindspore in
+the same process (tests, calibration) must ask for the same values, or it raises before setting anything.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import mindspore as ms
+
+if TYPE_CHECKING:
+    from telechat_moe.recipe import ContextConfig, Recipe
+
+# recipe key -> HCCL's environment variable (read when communication initialises)
+HCCL_ENV = {"hccl_connect_timeout": "HCCL_CONNECT_TIMEOUT", "hccl_exec_timeout": "HCCL_EXEC_TIMEOUT",
+            "hccl_buffsize": "HCCL_BUFFSIZE"}
+
+# The once-per-process settings this process has applied: name -> value.
+_APPLIED: dict = {}
+
+
+def gb_text(gb: float) -> str:
+    """55.5 -> "55.5GB", MindSpore's memory size strings (six decimals at most; validate() keeps sizes above 0 at
+    MIN_GB or more, so none reads "0GB")."""
+    return f"{gb:f}".rstrip("0").rstrip(".") + "GB"
+
+
+def hccl_environment(c: ContextConfig) -> dict[str, str]:
+    """The HCCL variables the recipe sets (Ascend; a 0 leaves the variable as the environment has it)."""
+    if c.device_target != "Ascend":
+        return {}
+    return {env: str(getattr(c, key)) for key, env in HCCL_ENV.items() if getattr(c, key)}
+
+
+def memory_settings(c: ContextConfig) -> dict[str, str]:
+    """mindspore.runtime.set_memory's keyword arguments for the recipe; empty: nothing to set."""
+    out = {}
+    if c.device_target == "Ascend":
+        if c.max_device_memory_gb:
+            out["max_size"] = gb_text(c.max_device_memory_gb)
+        if c.mempool_block_size_gb:
+            out["increase_size"] = gb_text(c.mempool_block_size_gb)
+    if c.memory_optimize_level != "O0":
+        out["optimize_level"] = c.memory_optimize_level
+    return out
+
+
+def _refuse_change(once: dict) -> None:
+    """A once-per-process setting this process has applied, asked for with another value (its default included):
+    refused before anything is set."""
+    for name, value in once.items():
+        if name in _APPLIED and _APPLIED[name] != value:
+            raise RuntimeError(f"{name} was applied as {_APPLIED[name]!r} in this process and MindSpore fixes it "
+                               f"once per process; cannot change it to {value!r}")
+
+
+def configure_mindspore(r: Recipe) -> None:
+    """Apply the recipe's context: before communication init (MindSpore fixes the device there, HCCL reads its
+    environment there) and before any kernel runs."""
+    c = r.context
+    memory = memory_settings(c)
+    once = {"mindspore.runtime.set_memory": memory, "mindspore.set_deterministic": c.deterministic == "ON"}
+    _refuse_change(once)
+    os.environ.update(hccl_environment(c))
+    ms.set_context(mode=c.mode, jit_config={"jit_level": c.jit_level})
+    # MindSpore fixes the device once kernels have run; setting the same one again would be refused.
+    if ms.get_context("device_target") != c.device_target:
+        ms.set_device(c.device_target)
+    if c.enable_graph_kernel:
+        ms.set_context(enable_graph_kernel=True)
+    # at their defaults nothing is called (and nothing fixed for the process)
+    if memory and "mindspore.runtime.set_memory" not in _APPLIED:
+        ms.runtime.set_memory(**memory)
+        _APPLIED["mindspore.runtime.set_memory"] = memory
+    if once["mindspore.set_deterministic"] and "mindspore.set_deterministic" not in _APPLIED:
+        ms.set_deterministic(True)
+        _APPLIED["mindspore.set_deterministic"] = True
