@@ -1,4 +1,5 @@
 """The one entry point: `python run_train.py --recipe recipes/tiny.yaml [--set key=value ...] [--dry-run] [--resume]`.
+(`--dry-run --show-parallel`: also how one rank holds each weight and the collectives a step issues.)
 
 Under msrun every process runs this file; the world size and rank come from MindSpore's communication init.
 """
@@ -15,8 +16,13 @@ def parse_args(argv):
     ap.add_argument("--recipe", required=True, help="a recipe file, or its name in recipes/ (tiny, 105b, 1t ...)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     ap.add_argument("--dry-run", action="store_true", help="plan and validate only: parameters, FLOPs, memory")
+    ap.add_argument("--show-parallel", action="store_true",
+                    help="with --dry-run: how each weight is sharded and the collectives a step issues, with bytes")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.show_parallel and not args.dry_run:
+        ap.error("--show-parallel needs --dry-run (it plans, it does not train)")
+    return args
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -73,9 +79,11 @@ def main(argv=None) -> int:
     from telechat_moe.recipe import check_trainable, launched_processes, load_recipe
     try:
         recipe = load_recipe(args.recipe, args.set)
-        from telechat_moe.dry_run import fit_problem, report
+        from telechat_moe.dry_run import fit_problem, report, show_parallel
         if args.dry_run:
             print(report(recipe))
+            if args.show_parallel:
+                print(show_parallel(recipe))
             return 0
         from parallel.planner.machine import total_memory_bytes
         problem = fit_problem(recipe, total_memory_bytes(), has_ascend())

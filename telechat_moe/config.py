@@ -194,7 +194,8 @@ class ModelConfig:
             shared_intermediate=self.moe_shared_expert_intermediate_size, num_routed_experts=self.n_routed_experts,
             num_shared_experts=self.n_shared_experts, top_k=self.num_experts_per_tok,
             mtp_depth=self.num_nextn_predict_layers, seq_length=self.seq_length, qk_layernorm=self.qk_layernorm,
-            tie_embeddings=self.tie_word_embeddings, topk_group=self.topk_group if self.n_group else 0)
+            tie_embeddings=self.tie_word_embeddings, topk_group=self.topk_group if self.n_group else 0,
+            device_aux_loss=self.moe_device_aux_loss_coeff > 0, z_loss=self.moe_z_loss_coeff > 0)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

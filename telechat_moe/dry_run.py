@@ -44,6 +44,23 @@ def report(r: Recipe) -> str:
     return "\n".join(lines)
 
 
+def show_parallel(r: Recipe) -> str:
+    """`--dry-run --show-parallel`: per weight how one rank of the layout holds it, the collectives a step issues
+    with their bytes (telechat_moe/parallel_report.py), and the planner's communication for the same layout."""
+    from telechat_moe.parallel_report import format_planner_comparison, format_report, recipe_report
+    mem = static_memory(r)
+    rep = recipe_report(r, mem["stage"])
+    planned = stage_parameters(r.model.to_model_shape(), r.layout)[mem["stage"]]
+    planned = planned["dense"] + planned["expert"]
+    same = "equal" if planned == rep.parameters else f"differs by {rep.parameters - planned:+,.0f}"
+    lines = [format_report(rep),
+             f"the dry run's parameters per device (stage {mem['stage']}): {planned:,.0f} ({same})"]
+    comparison = format_planner_comparison(rep, r.model, r.recompute_config.mode)
+    if comparison:
+        lines.append(comparison)
+    return "\n".join(lines)
+
+
 def fit_problem(r: Recipe, machine_bytes: float, has_ascend: bool) -> str | None:
     """A one-line reason why the recipe cannot train on this machine, or None."""
     per_device = static_memory(r)["total"]

@@ -8,8 +8,9 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import (Layouts, Workload, _Costing, block_costs, even_stage, evaluate, in_flight,
-                                         p2p_time, stage_memory, stage_time, step_time, update_time)
+from parallel.planner.cost_model import (FP32, Layouts, Workload, _Costing, block_costs, even_stage, evaluate,
+                                         gradient_comm, in_flight, p2p_time, stage_memory, stage_time, step_time,
+                                         update_time)
 from parallel.planner.model_shape import training_memory
 from parallel.planner.search import enumerate_layouts
 from parallel.planner.simulate import simulate_layout
@@ -114,6 +115,41 @@ def test_tensor_and_expert_parallelism_shrink_weights():
     tp = evaluate(W, Layouts.of(ParallelLayout(tp=4, pp=4, dp=16, ep=8, micro_batch_num=8)))["memory"][0]
     ep = evaluate(W, Layouts.of(ParallelLayout(tp=1, pp=4, dp=64, ep=64, micro_batch_num=8)))["memory"][0]
     assert tp < one and ep < one
+
+
+def test_tensor_parallel_terms_are_priced_where_the_model_issues_them():
+    """tp_traffic's collectives through the cost model's own all_gather / all_reduce: a dense layer's four sequence
+    collectives each way as before; the embedding's collectives on the first stage, the head's cross-entropy
+    statistics forward only, the router's sums in an MoE layer's forward; the weights replicated over tp (those whose
+    count does not shrink with tp) all-reduced after the backward, never hidden behind it (the data-parallel
+    reduce-scatter is)."""
+    lay = Layouts.of(ParallelLayout(tp=8, pp=1, dp=32, ep=8, micro_batch_num=4, micro_batch_size=1))
+    one = Layouts.of(ParallelLayout(tp=1, pp=1, dp=256, ep=8, micro_batch_num=4, micro_batch_size=1))
+    c, b, h = _Costing(W, lay), block_costs(W, lay), TELECHAT3_105B.hidden_size
+    T, E = W.seq_length, TELECHAT3_105B.num_routed_experts
+    gather = c.all_gather(T * h * W.precision.activation_bytes, c.tp)
+    assert b.dense.fwd_comm[0] == pytest.approx(4 * gather[0], rel=1e-12) == b.dense.bwd_comm[0]
+    residual = c.all_gather(T * h * W.precision.residual_bytes, c.tp)[0]
+    assert b.embedding.fwd_comm[0] == pytest.approx(residual, rel=1e-12) == b.embedding.bwd_comm[0]
+    stats = c.all_gather(8 * T * FP32, c.tp) + 2 * c.all_reduce(T * FP32, c.tp)
+    assert b.head.fwd_comm[0] - b.head.bwd_comm[0] == pytest.approx(stats[0], rel=1e-12)
+    router = 2 * c.all_reduce(E * FP32, c.tp)
+    assert b.moe.fwd_comm[0] - b.moe.bwd_comm[0] == pytest.approx(router[0], rel=1e-12)
+    st = even_stage(W, lay, np.array([0]))
+    first = stage_time(W, b, st)[0] - stage_time(W, b, dataclasses.replace(st, embedding=np.zeros(1)))[0]
+    assert first[0] == pytest.approx(b.embedding.fwd_compute[0] + residual, rel=1e-12)
+
+    mem, mem1 = (stage_memory(W, x, block_costs(W, x), even_stage(W, x, np.array([0]))) for x in (lay, one))
+    replicated = (8 * mem["dense_params"] - mem1["dense_params"]) / 7    # dense = replicated + split / tp
+    assert mem["replicated_params"][0] == pytest.approx(replicated[0], rel=1e-12)
+    tp_sum = c.all_reduce(mem["replicated_params"] * W.precision.grad_bytes, c.tp) + c.all_reduce(FP32, c.tp)
+    assert gradient_comm(W, lay, mem)["tp"][0] == pytest.approx(tp_sum[0], rel=1e-12)
+    long = np.full(1, 1e6)      # a backward that hides any data-parallel reduce-scatter
+    without = {**mem, "replicated_params": np.zeros(1)}
+    exposed = update_time(W, lay, mem, long, long) - update_time(W, lay, without, long, long)
+    replicated_sum = c.all_reduce(mem["replicated_params"] * W.precision.grad_bytes, c.tp) - c.all_reduce(0.0, c.tp)
+    assert exposed[0] == pytest.approx(replicated_sum[0], rel=1e-9) and exposed[0] > 0
+    assert gradient_comm(W, one, mem1)["tp"][0] == 0.0
 
 
 def _with_runtime(**runtime) -> Workload:

@@ -11,8 +11,14 @@ Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per
   (2.5x forward); without it the full S x S scores are computed and streamed through memory (CPU).
 - Memory-bound elementwise work (norms, residuals, SwiGLU, RoPE, routing, permutation) as bytes over bandwidth,
   plus a per-operator launch overhead.
-- Tensor parallelism always with sequence parallelism: an all-gather and a reduce-scatter of the layer input around
-  attention and around each FFN, not overlapped. Replicated parts (MLA down-projections, router) run on all tokens.
+- Tensor parallelism always with sequence parallelism, its collectives those parallel/tp issues
+  (`tp_traffic.py`, the list `--show-parallel` reports and tests/test_show_parallel.py checks against the model),
+  each priced by `all_gather` (all-gathers and reduce-scatters) or `all_reduce`, none overlapped: per layer an
+  all-gather and a reduce-scatter of the hidden state around attention and around each FFN (compute dtype), in an
+  MoE layer also the router's loss statistics summed over tp (forward); the embedding's reduce-scatter (backward:
+  all-gather) of the residual stream; the head's all-gather of its float32 input and the vocab-parallel
+  cross-entropy's statistics; an MTP depth's embedding lookup and eh_proj's gathers. Replicated parts (MLA
+  down-projections, router) run on all tokens.
 - Expert parallelism: dispatch and combine all-to-all, `flat` (one all-to-all over the EP group), `hierarchical`
   (all-gather across nodes among devices with the same local index, local filtering, all-to-all inside the node)
   or `node_dedup` (DeepEP-style: each token crosses once to each distinct destination node, at most `topk_group`
@@ -22,7 +28,10 @@ Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per
 - Pipeline: point-to-point send of the (sequence-parallel) hidden state per micro-batch and stage boundary.
 - Data parallelism (ZeRO-1): gradient reduce-scatter overlapped with the last micro-batch's backward, parameter
   all-gather overlapped with the first micro-batch's forward; only the excess is exposed. Expert gradients reduce
-  over the expert-data-parallel group. Then the memory-bound Adam update of the local shard.
+  over the expert-data-parallel group. Under sequence parallelism every weight replicated over tp (norms, MLA's
+  down-projections and their norms, routers) has a partial gradient on each rank, all-reduced over tp after the
+  backward, exposed; so are the gradient norm's two scalar sums (over tp and ep). Then the memory-bound Adam update
+  of the local shard.
 Activation memory per micro-batch under recompute none / selective (norms, SwiGLU and, without flash attention, the
 attention scores are recomputed) / full (only the layer input is kept; the forward, including its communication,
 runs again in backward). The pipeline keeps `in_flight` micro-batches per stage (1F1B: p - s; interleaved:
@@ -38,6 +47,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from parallel.layout import EP_SCHEMES, RECOMPUTE, ParallelLayout
+from parallel.planner import tp_traffic
 from parallel.planner.cluster import Cluster
 from parallel.planner.model_shape import ModelShape, block_parameters, dense_layers_in, flops_per_token
 
@@ -52,6 +62,7 @@ class Precision:
     grad_bytes: int = 4
     optimizer_bytes: int = 8  # Adam m and v; a 4-byte master copy is added where params are below fp32
     dispatch_bytes: int | None = None  # EP dispatch payload (e.g. 1 for FP8 dispatch); None: activation_bytes
+    residual_bytes: int = 4  # the residual stream (the embedding's output, what its tp collectives move)
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ class BlockCost:
     transient: np.ndarray  # bytes alive only while this block runs (one block at a time), per mode
     dense_params: np.ndarray
     expert_params: np.ndarray
+    replicated_params: np.ndarray  # of dense_params, those replicated over tp (their gradients summed over tp)
 
 
 
@@ -138,9 +150,12 @@ class _Costing:
         c, p = w.cluster, w.precision
         f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731 - local shorthand
         self.tp, self.ep, self.etp, self.dp = f(lay.tp), f(lay.ep), f(lay.etp), f(lay.dp)
-        self.T = f(lay.mbs) * w.seq_length  # tokens of one micro-batch (one data-parallel replica)
+        self.mbs = f(lay.mbs)  # sequences of one micro-batch
+        self.T = self.mbs * w.seq_length  # tokens of one micro-batch (one data-parallel replica)
         self.Tl = self.T / self.tp  # tokens a device owns under sequence parallelism
         self.ab = float(p.activation_bytes)
+        self.role_bytes = {tp_traffic.COMPUTE: self.ab, tp_traffic.RESIDUAL: float(p.residual_bytes),
+                           tp_traffic.FLOAT32: float(FP32)}
         # processes sharing a host's cores share its compute (see cluster.Runtime)
         sharing = min(w.devices, c.devices_per_node) if c.runtime.devices_share_cores else 1
         scale = c.runtime.compute_scale * sharing
@@ -190,9 +205,27 @@ class _Costing:
              + np.where(nodes > 1, self.c.inter_latency, 0.0) + self.c.intra_latency)
         return np.where(size > 1, t, 0.0)
 
-    def tp_pair(self):
-        """All-gather + reduce-scatter of the hidden state over tp (sequence parallelism), one direction."""
-        return 2 * self.all_gather(self.T * self.s.hidden_size * self.ab, self.tp)
+    def all_reduce(self, nbytes, size, stride=1.0):
+        """Seconds of an all-reduce of `nbytes`: a reduce-scatter and an all-gather of the buffer (ring)."""
+        return 2 * self.all_gather(nbytes, size, stride)
+
+    def tp_time(self, collectives, direction: str):
+        """Seconds of a piece's tensor-parallel collectives (tp_traffic's) in one direction of the pass."""
+        t = np.zeros(len(self.lay))
+        for c in collectives:
+            if c.direction == direction:
+                nbytes = c.payload(self.tp, self.role_bytes[c.dtype])
+                t = t + (self.all_reduce(nbytes, self.tp) if c.kind == "all_reduce" else
+                         self.all_gather(nbytes, self.tp))
+        return t
+
+    def tp_comm(self, collectives):
+        """(forward, backward) seconds of tp_traffic's collectives of a block (sequence parallel over tp)."""
+        return self.tp_time(collectives, "forward"), self.tp_time(collectives, "backward")
+
+    def sp_args(self):
+        """tp_traffic's (s, b, t, h) of these layouts."""
+        return float(self.w.seq_length), self.mbs, self.tp, self.s.hidden_size
 
     def ops(self, n):
         return n * self.c.op_overhead
@@ -271,12 +304,12 @@ class _Costing:
         af, ab_, a_rsel, a_full, a_sel, a_elem = self.attention()
         ff, fb, f_elem, f_full, f_sel = self.swiglu_ffn(self.T, s.dense_intermediate / self.tp)
         norm = self.stream(self.ab * self.Tl * 4 * s.hidden_size)
-        comm = 2 * self.tp_pair()
+        comm_f, comm_b = self.tp_comm(tp_traffic.dense_layer(*self.sp_args()))
         fwd = af + ff + norm + self.ops(12)
         bwd = ab_ + fb + 2 * norm + self.ops(24)
         act_none = a_full + f_full + self.ab * self.Tl * s.hidden_size
         act_sel = a_sel + f_sel
-        return self._block(fwd, comm, bwd, comm, a_rsel + f_elem + norm, fwd, comm,
+        return self._block(fwd, comm_f, bwd, comm_b, a_rsel + f_elem + norm, fwd, comm_f,
                            act_none, act_sel, self.ab * self.T * s.dense_intermediate / self.tp, "dense_layer")
 
     def moe_layer(self) -> BlockCost:
@@ -301,13 +334,14 @@ class _Costing:
         overlap = self.lay.ep_overlap == 1
         exposed_f = np.where(overlap, np.maximum(expert_fwd, a2a) + np.minimum(expert_fwd, a2a) / 2 - expert_fwd, a2a)
         exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a) + np.minimum(expert_bwd, a2a) / 2 - expert_bwd, a2a)
-        tp_comm = 2 * self.tp_pair()  # around attention and around the shared expert
+        # around attention and around the shared expert, and the router's sums over tp
+        tp_f, tp_b = self.tp_comm(tp_traffic.moe_layer(*self.sp_args(), E, s.device_aux_loss, s.z_loss))
         expert_acts = ab * pairs * (2 * h + 2 * inter) + FP32 * Tl * E + ab * Tl * h  # in, fc1 out, out; probs
         act_sel = a_sel + s_sel + expert_acts
         act_none = a_full + s_full + expert_acts + ab * pairs * inter + ab * Tl * h
         transient = ab * (pairs * 2 * inter + self.T * 3 * s.shared_intermediate * s.num_shared_experts / self.tp)
-        return self._block(af + expert_fwd, tp_comm + exposed_f, ab_ + expert_bwd, tp_comm + exposed_b,
-                           a_rsel + e_elem + s_elem + routing, af + expert_fwd, tp_comm + exposed_f,
+        return self._block(af + expert_fwd, tp_f + exposed_f, ab_ + expert_bwd, tp_b + exposed_b,
+                           a_rsel + e_elem + s_elem + routing, af + expert_fwd, tp_f + exposed_f,
                            act_none, act_sel, transient, "moe")
 
     def _block(self, fwd, fwd_comm, bwd, bwd_comm, sel_extra, full_extra, full_comm, act_none, act_sel,
@@ -317,9 +351,9 @@ class _Costing:
         full_act = self.ab * self.Tl * self.s.hidden_size
         b = block_parameters(self.s, self.tp, self.ep * self.etp)
         if params_kind == "moe":
-            dense, expert = b["moe_dense"], b["moe_expert"]
+            dense, expert, replicated = b["moe_dense"], b["moe_expert"], b["moe_replicated"]
         else:
-            dense, expert = b["dense_layer"], z
+            dense, expert, replicated = b["dense_layer"], z, b["dense_replicated"]
         bc = lambda x: np.broadcast_to(np.asarray(x, dtype=np.float64), (n,))  # noqa: E731
         return BlockCost(
             fwd_compute=bc(fwd), fwd_comm=bc(fwd_comm), bwd_compute=bc(bwd), bwd_comm=bc(bwd_comm),
@@ -327,15 +361,16 @@ class _Costing:
             act=np.stack([bc(act_none), bc(act_sel), bc(full_act)]),
             # a fully recomputed layer rebuilds all its activations for its own backward
             transient=np.stack([bc(transient), bc(transient), bc(transient) + bc(act_none)]),
-            dense_params=bc(dense) + z, expert_params=bc(expert) + z)
+            dense_params=bc(dense) + z, expert_params=bc(expert) + z, replicated_params=bc(replicated) + z)
 
     def embedding(self) -> BlockCost:
         n = len(self.lay)
         z = np.zeros(n)
         t = self.stream(self.ab * self.T * self.s.hidden_size * 2) + self.ops(3)
         vocab = block_parameters(self.s, self.tp, 1)["vocab"]
+        comm_f, comm_b = self.tp_comm(tp_traffic.embedding_lookup(*self.sp_args(), True))
         zz = np.zeros((3, n))
-        return BlockCost(t + z, z, 2 * t + z, z, zz, zz, zz, zz, z + vocab, z)
+        return BlockCost(t + z, comm_f, 2 * t + z, comm_b, zz, zz, zz, zz, z + vocab, z, z)
 
     def head(self) -> BlockCost:
         """Final norm, output projection (vocabulary split by tp) and fp32 cross-entropy."""
@@ -347,27 +382,30 @@ class _Costing:
         loss = self.stream(FP32 * T * V * 4)
         fwd = f + loss + self.stream(self.ab * self.Tl * 4 * s.hidden_size) + self.ops(10)
         bwd = b + loss + self.ops(12)
-        comm = self.all_gather(T * s.hidden_size * self.ab, self.tp) + self.all_gather(T * FP32 * 2, self.tp)
+        comm_f, comm_b = self.tp_comm(tp_traffic.head(*self.sp_args(), s.tie_embeddings))
         zz = np.zeros((3, n))
         params = block_parameters(s, self.tp, 1)
         dense = params["vocab"] + params["final_norm"]
         logits = np.broadcast_to(FP32 * T * V * 2, (3, n))  # fp32 logits and their gradient
-        return BlockCost(fwd + z, comm + z, bwd + z, comm + z, zz, zz, zz, logits, z + dense, z)
+        return BlockCost(fwd + z, comm_f, bwd + z, comm_b, zz, zz, zz, logits, z + dense, z, z + params["final_norm"])
 
     def mtp(self) -> BlockCost:
-        """One MTP depth: two norms, eh_proj, an MoE layer, its final norm and the shared head + loss."""
+        """One MTP depth: the next tokens' embedding lookup, two norms, eh_proj, an MoE layer, its final norm and the
+        shared head + loss."""
         layer, head = self.moe_layer(), self.head()
         h = self.s.hidden_size
         pf, pb = self.gemm(self.T, 2 * h, h / self.tp)
         b = block_parameters(self.s, self.tp, self.ep * self.etp)
         out = BlockCost(**{f.name: getattr(layer, f.name).copy() for f in fields(BlockCost)})
         out.fwd_compute = layer.fwd_compute + pf + head.fwd_compute
-        out.fwd_comm = layer.fwd_comm + head.fwd_comm + self.tp_pair() / 2
+        extra_f, extra_b = self.tp_comm(tp_traffic.mtp_extra(*self.sp_args()))
+        out.fwd_comm = layer.fwd_comm + head.fwd_comm + extra_f
         out.bwd_compute = layer.bwd_compute + pb + head.bwd_compute
-        out.bwd_comm = layer.bwd_comm + head.bwd_comm + self.tp_pair() / 2
+        out.bwd_comm = layer.bwd_comm + head.bwd_comm + extra_b
         out.transient = np.maximum(layer.transient, head.transient)
         out.dense_params = np.full_like(layer.dense_params, b["mtp_dense"])
         out.expert_params = np.broadcast_to(b["mtp_expert"], layer.expert_params.shape).astype(np.float64)
+        out.replicated_params = np.full_like(layer.replicated_params, b["mtp_replicated"])
         return out
 
 
@@ -432,10 +470,11 @@ def stage_parts(w: Workload, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarr
     mtp_extra_comm = _pick(b.mtp.recompute_comm, st.mtp_mode)
     out = {"fwd_compute": (st.embedding * b.embedding.fwd_compute
                            + st.last * (b.head.fwd_compute + d * b.mtp.fwd_compute)),
-           "fwd_comm": st.last * (b.head.fwd_comm + d * b.mtp.fwd_comm),
+           "fwd_comm": st.embedding * b.embedding.fwd_comm + st.last * (b.head.fwd_comm + d * b.mtp.fwd_comm),
            "bwd_compute": (st.embedding * b.embedding.bwd_compute
                            + st.last * (b.head.bwd_compute + d * (b.mtp.bwd_compute + mtp_extra))),
-           "bwd_comm": st.last * (b.head.bwd_comm + d * (b.mtp.bwd_comm + mtp_extra_comm))}
+           "bwd_comm": (st.embedding * b.embedding.bwd_comm
+                        + st.last * (b.head.bwd_comm + d * (b.mtp.bwd_comm + mtp_extra_comm)))}
     for mode in range(3):
         for blk, count in ((b.dense, st.dense_by_mode[mode]), (b.moe, st.moe_by_mode[mode])):
             out["fwd_compute"] = out["fwd_compute"] + count * blk.fwd_compute
@@ -456,6 +495,7 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     kept for in-flight micro-batches plus the largest transient of one block)."""
     p, d = w.precision, w.shape.mtp_depth
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
+    replicated = st.last * (b.head.replicated_params + d * b.mtp.replicated_params)
     expert = st.last * d * b.mtp.expert_params
     act = st.last * d * _pick(b.mtp.act, st.mtp_mode)
     act_none = st.last * d * b.mtp.act[0]  # what the stage would keep without recompute
@@ -464,6 +504,7 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     for mode in range(3):
         nd, ne = st.dense_by_mode[mode], st.moe_by_mode[mode]
         dense = dense + nd * b.dense.dense_params + ne * b.moe.dense_params
+        replicated = replicated + nd * b.dense.replicated_params + ne * b.moe.replicated_params
         expert = expert + ne * b.moe.expert_params
         act = act + nd * b.dense.act[mode] + ne * b.moe.act[mode]
         act_none = act_none + nd * b.dense.act[0] + ne * b.moe.act[0]
@@ -477,7 +518,7 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     out = {"weights": params * p.param_bytes, "grads": params * p.grad_bytes,
            "optimizer": opt_bytes * (dense / shards_dense + expert / shards_expert),
            "activation_per_microbatch": act, "activations": act * in_flight(lay, st.stage), "transient": transient,
-           "dense_params": dense, "expert_params": expert}
+           "dense_params": dense, "expert_params": expert, "replicated_params": replicated}
     rt = w.cluster.runtime
     if rt.keeps_op_outputs:  # see cluster.Runtime: nothing is freed or reused inside a step
         graphs = np.where(lay.m > 1, 2.0, 1.0)
@@ -492,16 +533,31 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     return out
 
 
+def gradient_comm(w: Workload, lay: Layouts, mem: dict) -> dict[str, np.ndarray]:
+    """Seconds of a stage's gradient collectives of one step, by group: 'dp' / 'edp' the dense and the expert
+    weights' (ZeRO-1) gradient reduce-scatter and parameter all-gather, each as (reduce-scatter, all-gather); 'tp'
+    the all-reduce of the weights replicated over tp (their partial gradients) and of the gradient norm's tp scalar;
+    'ep' the norm's scalar over the EP group. `mem`: stage_memory's dense_params, expert_params, replicated_params."""
+    p, c = w.precision, _Costing(w, lay)
+    edp, ep = (lay.dp * lay.tp) / (lay.ep * lay.etp), lay.ep * lay.etp
+    dense, expert = mem["dense_params"], mem["expert_params"]
+    return {"dp": (c.all_gather(dense * p.grad_bytes, c.dp, c.tp), c.all_gather(dense * p.param_bytes, c.dp, c.tp)),
+            "edp": (c.all_gather(expert * p.grad_bytes, edp, ep), c.all_gather(expert * p.param_bytes, edp, ep)),
+            "tp": c.all_reduce(mem["replicated_params"] * p.grad_bytes, c.tp) + c.all_reduce(FP32, c.tp),
+            "ep": c.all_reduce(FP32, c.ep, c.etp)}
+
+
 def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
-    """Exposed data-parallel communication plus the optimizer update of one stage, after the pipeline drains, and
-    the runtime's separate gradient-accumulation passes; `fwd` / `bwd` are the stage's per-micro-batch times that
-    the reduce-scatter / all-gather hide behind."""
+    """Exposed gradient communication plus the optimizer update of one stage, after the pipeline drains, and the
+    runtime's separate gradient-accumulation passes; `fwd` / `bwd` are the stage's per-micro-batch times that the
+    data-parallel reduce-scatter / all-gather hide behind (the sums over tp and ep run after the backward)."""
     p, c = w.precision, _Costing(w, lay)
     edp = (lay.dp * lay.tp) / (lay.ep * lay.etp)
     dense, expert = mem["dense_params"], mem["expert_params"]
-    rs = c.all_gather(dense * p.grad_bytes, c.dp, c.tp) + c.all_gather(expert * p.grad_bytes, edp, lay.ep * lay.etp)
-    ag = c.all_gather(dense * p.param_bytes, c.dp, c.tp) + c.all_gather(expert * p.param_bytes, edp, lay.ep * lay.etp)
+    g = gradient_comm(w, lay, mem)
+    rs, ag = g["dp"][0] + g["edp"][0], g["dp"][1] + g["edp"][1]
     exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd) if w.overlap_grad_reduce else rs + ag
+    exposed = exposed + g["tp"] + g["ep"]
     master = 4 if p.param_bytes < 4 else 0
     per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * master + p.param_bytes
     shards_d = c.dp if w.shard_optimizer else 1.0

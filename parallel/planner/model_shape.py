@@ -38,6 +38,8 @@ class ModelShape:
     qk_layernorm: bool = True  # RMSNorm on the q and kv latents (q norm only exists when q_lora_rank > 0)
     tie_embeddings: bool = False
     topk_group: int = 0  # group-limited routing: experts of a token in at most this many groups (0: no limit)
+    device_aux_loss: bool = False  # the device-level balance loss is on (its statistics are summed over tp)
+    z_loss: bool = False  # the router z-loss is on (likewise)
 
     @property
     def num_moe_layers(self) -> int:
@@ -179,16 +181,21 @@ def block_parameters(s: ModelShape, tp, experts_split) -> dict:
     """Parameters one device holds per block kind, given tp and ep*etp (scalars or NumPy arrays).
 
     'moe_dense' is the attention, norms, router and shared expert of an MoE layer; 'moe_expert' its routed experts;
-    'vocab' one vocabulary matrix (embedding or head); 'mtp_dense' / 'mtp_expert' one MTP depth without the head.
+    'vocab' one vocabulary matrix (embedding or head); 'mtp_dense' / 'mtp_expert' one MTP depth without the head;
+    '*_replicated': of the dense parameters of a dense layer, an MoE layer and an MTP depth, those replicated over
+    tp (MLA's down-projections and latent norms, the norms, the router; their gradients are summed over tp).
     """
     h = s.hidden_size
     a = attention_params(s)
     attn = a["replicated"] + a["sharded"] / tp + 2 * h
     moe_dense = attn + router_params(s) + shared_expert_params(s) / tp
     moe_expert = s.num_routed_experts * expert_params(s) / experts_split
+    replicated = a["replicated"] + 2 * h
     return {"dense_layer": attn + dense_ffn_params(s) / tp, "moe_dense": moe_dense, "moe_expert": moe_expert,
             "vocab": s.vocab_size * h / tp, "final_norm": h,
-            "mtp_dense": 3 * h + 2 * h * h / tp + moe_dense, "mtp_expert": moe_expert}
+            "mtp_dense": 3 * h + 2 * h * h / tp + moe_dense, "mtp_expert": moe_expert,
+            "dense_replicated": replicated, "moe_replicated": replicated + router_params(s),
+            "mtp_replicated": 3 * h + replicated + router_params(s)}
 
 
 def dense_layers_in(s: ModelShape, first_layer, count):

@@ -133,7 +133,7 @@ def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment) ->
     lay, chunks = one.take(np.zeros(pp, int)), one.take(np.zeros(pp * layout.vpp, int))
     st = chunk_plans(layout, [a])
     mem = stage_memory(w, chunks, block_costs(w, chunks), st)
-    per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1) for k in ("dense_params", "expert_params")}
+    per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1) for k in ("dense_params", "expert_params", "replicated_params")}
     t = r["chunk_time"][0]
     pipe = step_time(one.m, one.vpp, one.pp, t.max(axis=0).sum(), t.sum(), p2p_time(w, one))
     total = pipe + update_time(w, lay, per_stage, r["fwd"][0], r["bwd"][0]).max()

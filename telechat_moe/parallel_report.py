@@ -1,0 +1,724 @@
+"""How one rank of a parallel layout holds the model and what it exchanges: every weight it builds (full shape, the
+axis split, the group it is split over, its shard) and every collective one micro-batch's forward and backward and
+the step's gradient reduction issue on it (where, direction, kind, group, the tensor as it enters the collective, its
+dtype, payload and wire bytes). `run_train.py --dry-run --show-parallel` prints it (`format_report`);
+tests/test_show_parallel.py builds the model of a layout with recording transports and checks it call for call.
+
+Pure functions of (ModelConfig, ParallelLayout, the micro-batch: b sequences of s tokens): nothing here imports
+MindSpore, so the report is as cheap as the dry run for the largest recipes. What it lists is read from the code that
+issues the collectives, and mirrors it:
+
+- telechat_moe/model.py, mla.py, layers.py, mtp.py, moe/layer.py, moe/router.py, moe/dispatch.py, and under them
+  parallel/tp/layers.py and parallel/tp/mappings.py over parallel/comm/collectives.py (each Cell's forward and
+  bprop): the collectives of one micro-batch;
+- telechat_moe/trainer.py's PrepareGradients: the gradient all-reduces of the step (per weight over dp, tp or edp;
+  the two norm sums), and the trainer's two host-side all-reduces over the world (expert load, loss means).
+
+Conventions:
+- The collective listed is the logical one, what HCCL / NCCL run through `NativeTransport`. The CPU transport
+  (`CpuTransport`, mccl) builds all-gather, reduce-scatter and all-to-all out of all-reduces of bigger buffers; on CPU
+  the wire bytes are larger than listed.
+- A group of one rank exchanges nothing (`SelfTransport`), so no collective of such a group is listed.
+- `shape` is the tensor as it enters the collective: the input of an all-gather (the output is g times as many
+  rows), the full input of a reduce-scatter. The Cells of parallel/comm gather and scatter axis 0, so the sequence
+  collectives of sequence parallelism see [s, b, h] (sequence first).
+- payload_bytes: the full buffer (an all-gather's output, a reduce-scatter's input, an all-reduce's or all-to-all's
+  tensor); wire_bytes: what one rank sends under the ring algorithm, (g-1)/g x payload for all-gather,
+  reduce-scatter and all-to-all, 2(g-1)/g x payload for all-reduce.
+- dtypes as they reach the collective: the residual stream is float32 (the embedding is), so are the routed tokens
+  and the gradients; a tensor-parallel region's input is cast to the compute dtype before its collective
+  (EnterRegion, a column-parallel layer's own input, eh_proj's), the head's to float32 (the head computes in
+  float32); the outputs of the linear layers (a row-parallel layer's partial sums, the experts' results, eh_proj's
+  columns) are in the compute dtype. Every parameter is built in float32 (params_dtype is counted by the dry run's
+  memory figures, not applied by the model).
+- The tensor-parallel collectives of each piece (a region's entry and exit, the embedding, the head and the
+  cross-entropy, the router's sums, MTP's eh_proj) are parallel/planner/tp_traffic.py's, the list the planner's
+  cost model prices: the report adds where each is issued.
+- Micro-batch: b = global_batch_size / (data_parallel x micro_batch_num) sequences of seq_length tokens; the
+  forward and backward collectives run micro_batch_num times a step, the step's once.
+- Pipeline parallelism is planned, not trained: for pp > 1 the report is one rank of one stage (by default the
+  dry run's heaviest), holding the layers `even_layer_split` gives it (contiguous, as the dry run counts them; an
+  interleaved schedule would hold other layers), with the embedding on stage 0 and norm, head and MTP on the last.
+  The stage-to-stage transfers are point-to-point, not collectives, and are not listed.
+- recompute_config.recompute (full): each decoder layer's forward runs again in its backward, its collectives with
+  it (listed as backward, `note` recompute), as the planner assumes.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from math import prod
+
+from parallel.planner import tp_traffic
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+PARAM_DTYPE = "float32"      # the dtype of every Parameter the model builds
+RESIDUAL = "float32"         # the residual stream, norms' outputs, routed tokens, gradients of float32 tensors
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+DIRECTIONS = ("forward", "backward", "step")
+
+# Replicated weights inside a tensor-parallel region (telechat_moe.model.INSIDE_REGIONS; the test compares them): their
+# gradient on a rank is its share, summed over tp by PrepareGradients.
+INSIDE_REGIONS = (".self_attn.q_a_proj.", ".self_attn.q_a_layernorm.", ".self_attn.kv_a_proj_with_mqa.",
+                  ".self_attn.kv_a_layernorm.", ".mlp.gate.")
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """One parameter as one rank builds it."""
+    name: str                      # the model's parameter name (layers.1.self_attn.q_b_proj.weight)
+    full_shape: tuple
+    split_axis: int | None         # the axis split over `group`, None: replicated
+    group: str | None              # tp or ep
+    group_size: int
+    shard_shape: tuple
+    trainable: bool = True         # the routers' expert_bias is not (moved by its own rule)
+    reduced_over: tuple = ()       # the groups the step all-reduces its gradient over (groups of one rank left out)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shard_shape)
+
+    @property
+    def full_numel(self) -> int:
+        return prod(self.full_shape)
+
+
+@dataclass(frozen=True)
+class Collective:
+    where: str          # the module (layers.1.self_attn.o_proj); a shared module called for MTP: embed_tokens@mtp.0
+    what: str
+    direction: str      # forward | backward | step
+    kind: str           # all_reduce | all_gather | reduce_scatter | all_to_all
+    group: str          # tp | ep | ep_node | ep_inter | dp | edp | world
+    group_size: int
+    shape: tuple        # as it enters the collective
+    dtype: str
+    note: str = ""      # recompute: the forward's collective again in the backward; host: outside the step graph
+
+    @property
+    def payload_bytes(self) -> int:
+        n = prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return n * self.group_size if self.kind == "all_gather" else n
+
+    @property
+    def wire_bytes(self) -> float:
+        g = self.group_size
+        return (2 if self.kind == "all_reduce" else 1) * (g - 1) / g * self.payload_bytes
+
+    @property
+    def key(self) -> tuple:
+        """What a recording transport sees: (kind, group size, shape, dtype)."""
+        return (self.kind, self.group_size, tuple(self.shape), self.dtype)
+
+
+@dataclass(frozen=True)
+class ParallelReport:
+    layout: object                 # parallel.layout.ParallelLayout
+    batch: int                     # sequences per micro-batch
+    seq: int
+    micro_batches: int             # micro-batches per step
+    stage: int
+    layers: tuple                  # [first, end) of the decoder layers on the stage
+    has_embedding: bool
+    has_head: bool                 # final norm, head, MTP
+    weights: tuple
+    collectives: tuple
+    group_sizes: dict = field(default_factory=dict)
+
+    @property
+    def parameters(self) -> int:
+        """Trainable parameters on the rank (what the dry run's 'parameters per device' counts)."""
+        return sum(w.numel for w in self.weights if w.trainable)
+
+    @property
+    def expert_parameters(self) -> int:
+        """Of them in the routed experts (split over ep, whole at ep=1)."""
+        return sum(w.numel for w in self.weights if w.trainable and ".experts." in f".{w.name}")
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.parameters * DTYPE_BYTES[PARAM_DTYPE]
+
+    def select(self, direction: str | None = None, group: str | None = None, where=None, host: bool = False):
+        """The collectives of a direction / group / module (`where`: a prefix, or a predicate of the name);
+        the trainer's host-side ones only with host=True."""
+        out = []
+        for c in self.collectives:
+            if (direction and c.direction != direction) or (group and c.group != group) or \
+                    (not host and c.note == "host"):
+                continue
+            if where is not None and not (where(c.where) if callable(where) else _under(c.where, where)):
+                continue
+            out.append(c)
+        return out
+
+    def wire_bytes(self, **kw) -> float:
+        return sum(c.wire_bytes for c in self.select(**kw))
+
+    def payload_bytes(self, **kw) -> int:
+        return sum(c.payload_bytes for c in self.select(**kw))
+
+    def step_wire_bytes(self, host: bool = True) -> float:
+        """Per rank and step: micro_batch_num x (forward + backward) + the step's gradient reduction."""
+        per_micro = self.wire_bytes(direction="forward") + self.wire_bytes(direction="backward")
+        return self.micro_batches * per_micro + self.wire_bytes(direction="step", host=host)
+
+    def step_payload_bytes(self, host: bool = True) -> int:
+        per_micro = self.payload_bytes(direction="forward") + self.payload_bytes(direction="backward")
+        return self.micro_batches * per_micro + self.payload_bytes(direction="step", host=host)
+
+    def keys(self, direction: str, host: bool = False) -> Counter:
+        """The multiset of (kind, group size, shape, dtype) a recording transport sees."""
+        return Counter(c.key for c in self.select(direction=direction, host=host))
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".") or name.startswith(prefix + "@")
+
+
+# ---- the model, read from its code -----------------------------------------------------------------------------
+class _Rank:
+    def __init__(self, cfg, layout, batch: int, seq: int, recompute: str, dispatcher: str):
+        self.cfg, self.layout = cfg, layout
+        self.b, self.s, self.h = batch, seq, cfg.hidden_size
+        self.t, self.sp = layout.tp, bool(layout.sp) and layout.tp > 1
+        self.cdt = cfg.compute_dtype
+        self.recompute = recompute
+        self.dispatcher = dispatcher if layout.ep > 1 else "local"
+        self.sizes = group_sizes(layout, self.dispatcher)
+        self.weights: list[WeightShard] = []
+        self.collectives: list[Collective] = []
+
+    # -- weights --
+    def weight(self, name: str, shape, axis: int | None = None, group: str | None = None, trainable: bool = True):
+        shape = tuple(int(d) for d in shape)
+        size = self.sizes[group] if group else 1
+        if axis is not None and size == 1:
+            axis, group = None, None
+        shard = list(shape)
+        if axis is not None:
+            if shape[axis] % size:
+                raise ValueError(f"{name}: dimension {axis} of {shape} is not divisible by {group}={size}")
+            shard[axis] //= size
+        self.weights.append(WeightShard(name, shape, axis, group, size if axis is not None else 1, tuple(shard),
+                                        trainable))
+
+    def column(self, name, out_features, in_features):
+        self.weight(name, (out_features, in_features), 0, "tp")
+
+    def row(self, name, out_features, in_features):
+        self.weight(name, (out_features, in_features), 1, "tp")
+
+    # -- collectives --
+    def coll(self, where, what, direction, kind, group, shape, dtype, note=""):
+        g = self.sizes[group]
+        if g > 1:
+            self.collectives.append(Collective(where, what, direction, kind, group, g,
+                                               tuple(int(d) for d in shape), dtype, note))
+
+    def add(self, where: str, collectives, note: str = ""):
+        """parallel/planner/tp_traffic's collectives of a piece, issued at `where` over tp (the dtype roles read as
+        this model's: compute -> the compute dtype, residual -> float32)."""
+        dtypes = {tp_traffic.COMPUTE: self.cdt, tp_traffic.RESIDUAL: RESIDUAL, tp_traffic.FLOAT32: "float32"}
+        for c in collectives:
+            self.coll(where, c.what, c.direction, c.kind, "tp", c.shape, dtypes[c.dtype], note)
+
+    def enter_region(self, where: str, width: int | None = None, dtype: str = tp_traffic.COMPUTE,
+                     what: str = "EnterRegion"):
+        """EnterRegion / a column-parallel layer's input, cast to the region's compute dtype (`dtype`) first."""
+        self.add(where, tp_traffic.region_entry(self.s, self.b, self.t, self.h, self.sp, width, dtype, what))
+
+    def row_parallel(self, where: str):
+        self.add(where, tp_traffic.row_parallel_exit(self.s, self.b, self.t, self.h, self.sp))
+
+    def embedding(self, where: str):
+        self.add(where, tp_traffic.embedding_lookup(self.s, self.b, self.t, self.h, self.sp))
+
+    def head(self, where: str, loss: str):
+        """The head's input (float32: the head computes in float32; none when tied) and the cross-entropy."""
+        if self.t == 1:
+            return
+        if not self.cfg.tie_word_embeddings:
+            self.enter_region(where, self.h, tp_traffic.FLOAT32, "ColumnParallelLinear input")
+        self.add(loss, tp_traffic.cross_entropy(self.s, self.b, self.t))
+
+    # -- blocks --
+    def attention(self, prefix: str):
+        cfg, h = self.cfg, self.h
+        H, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if H % self.t:
+            raise ValueError(f"num_attention_heads {H} is not divisible by model_parallel {self.t}")
+        a = f"{prefix}.self_attn"
+        if cfg.q_lora_rank:
+            self.weight(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h))
+            if cfg.qk_layernorm:
+                self.weight(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,))
+            self.column(f"{a}.q_b_proj.weight", H * qk, cfg.q_lora_rank)
+        else:
+            self.column(f"{a}.q_proj.weight", H * qk, h)
+        self.weight(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h))
+        if cfg.qk_layernorm:
+            self.weight(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,))
+        self.column(f"{a}.kv_b_proj.weight", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        self.row(f"{a}.o_proj.weight", h, H * cfg.v_head_dim)
+        self.enter_region(a, h)
+        self.row_parallel(f"{a}.o_proj")
+
+    def swiglu(self, prefix: str, intermediate: int):
+        h = self.h
+        self.column(f"{prefix}.gate_proj.weight", intermediate, h)
+        self.column(f"{prefix}.up_proj.weight", intermediate, h)
+        self.row(f"{prefix}.down_proj.weight", h, intermediate)
+        self.enter_region(prefix, h)
+        self.row_parallel(f"{prefix}.down_proj")
+
+    def moe(self, prefix: str):
+        cfg, b, s, t, h = self.cfg, self.b, self.s, self.t, self.h
+        E, k, ep = cfg.n_routed_experts, cfg.num_experts_per_tok, self.layout.ep
+        m = f"{prefix}.mlp"
+        self.weight(f"{m}.gate.weight", (E, h))
+        self.weight(f"{m}.gate.expert_bias", (E,), trainable=False)
+        self.weight(f"{m}.experts.w1", (E, h, 2 * cfg.moe_intermediate_size), 0, "ep")
+        self.weight(f"{m}.experts.w2", (E, cfg.moe_intermediate_size, h), 0, "ep")
+        # each tp rank routes its 1/tp of the positions: without sequence parallelism split off (and gathered back)
+        split = tp_traffic.moe_token_split(s, b, t, h, self.sp)
+        local = s // t if t > 1 else s
+        self.add(m, split[:1])
+        self.add(f"{m}.gate", tp_traffic.router_sums(b, t, E, cfg.moe_device_aux_loss_coeff > 0,
+                                                     cfg.moe_z_loss_coeff > 0))
+        if ep > 1:
+            rows = b * local // cfg.moe_comm_chunks
+            for _ in range(cfg.moe_comm_chunks):
+                self.dispatch(f"{m}.dispatcher", rows)
+        self.add(m, split[1:])
+        self.swiglu(f"{m}.shared_experts", cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts)
+
+    def exchange(self, where: str, group: str, rows: int, experts: int):
+        """_ExpertExchange over `group`: the capacity-padded AllToAllV of the token copies (+ the local expert as a
+        column) and of the counts, the combine AllToAll of the results; their backward all-to-alls."""
+        cfg, h = self.cfg, self.h
+        g = self.sizes[group]
+        capacity = rows * min(cfg.num_experts_per_tok, experts // g)
+        what = f"capacity {capacity} rows per destination"
+        self.coll(where, f"AllToAllV: token copies + expert tag ({what})", "forward", "all_to_all", group,
+                  (g * capacity, h + 1), RESIDUAL)
+        self.coll(where, "AllToAllV: copy counts", "forward", "all_to_all", group, (g,), "float32")
+        self.coll(where, "combine AllToAll: expert outputs", "forward", "all_to_all", group, (g * capacity, h),
+                  self.cdt)
+        self.coll(where, "AllToAllV backward: token copies' gradient", "backward", "all_to_all", group,
+                  (g * capacity, h + 1), RESIDUAL)
+        self.coll(where, "combine AllToAll backward: outputs' gradient", "backward", "all_to_all", group,
+                  (g * capacity, h), self.cdt)
+
+    def dispatch(self, where: str, rows: int):
+        cfg, h, k, E = self.cfg, self.h, self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
+        if self.dispatcher != "hierarchical":
+            self.exchange(where, "ep", rows, E)
+            return
+        n = self.sizes["ep_inter"]
+        self.coll(where, "hierarchical: token rows to the nodes (+ tags, weights)", "forward", "all_to_all",
+                  "ep_inter", (n * rows, h + 2 * k), RESIDUAL)
+        self.coll(where, "hierarchical backward: rows' gradient from the nodes", "backward", "all_to_all", "ep_inter",
+                  (n * rows, h + 2 * k), RESIDUAL)
+        self.exchange(where, "ep_node", n * rows, E // n)
+        self.coll(where, "hierarchical: per-node sums back", "forward", "all_to_all", "ep_inter", (n * rows, h),
+                  self.cdt)
+        self.coll(where, "hierarchical backward: sums' gradient", "backward", "all_to_all", "ep_inter",
+                  (n * rows, h), self.cdt)
+
+    def decoder_layer(self, prefix: str, index: int):
+        cfg, h = self.cfg, self.h
+        start = len(self.collectives)
+        self.weight(f"{prefix}.input_layernorm.weight", (h,))
+        self.attention(prefix)
+        self.weight(f"{prefix}.post_attention_layernorm.weight", (h,))
+        if cfg.is_moe_layer(index):
+            self.moe(prefix)
+        else:
+            self.swiglu(f"{prefix}.mlp", cfg.intermediate_size)
+        if self.recompute == "full":
+            for c in [c for c in self.collectives[start:] if c.direction == "forward"]:
+                self.collectives.append(Collective(c.where, c.what + " (recomputed in the backward)", "backward",
+                                                   c.kind, c.group, c.group_size, c.shape, c.dtype, "recompute"))
+
+    def mtp(self, d: int):
+        cfg, b, s, t, h = self.cfg, self.b, self.s, self.t, self.h
+        p = f"mtp.{d}"
+        self.embedding(f"embed_tokens@{p}")
+        self.weight(f"{p}.enorm.weight", (h,))
+        self.weight(f"{p}.hnorm.weight", (h,))
+        self.column(f"{p}.eh_proj.weight", h, 2 * h)
+        self.add(f"{p}.eh_proj", tp_traffic.mtp_projection(s, b, t, h, self.sp))
+        self.decoder_layer(f"{p}.block", cfg.num_hidden_layers + d)
+        self.weight(f"{p}.norm.weight", (h,))
+        self.head(f"lm_head@{p}", f"cross_entropy@{p}")
+
+    def model(self, first: int, end: int, has_embedding: bool, has_head: bool):
+        cfg, h = self.cfg, self.h
+        if has_embedding:
+            self.weight("embed_tokens.weight", (cfg.vocab_size, h), 0, "tp")
+            self.embedding("embed_tokens")
+        for i in range(first, end):
+            self.decoder_layer(f"layers.{i}", i)
+        if has_head:
+            self.weight("norm.weight", (h,))
+            if not cfg.tie_word_embeddings:
+                self.weight("lm_head.weight", (cfg.vocab_size, h), 0, "tp")
+            self.head("lm_head", "cross_entropy")
+            for d in range(cfg.num_nextn_predict_layers):
+                self.mtp(d)
+
+    # -- the step (PrepareGradients, then the trainer's host-side sums) --
+    def partial_over_tp(self, w: WeightShard) -> bool:
+        """TeleChatMoE.partial_over_tp: a replicated weight whose gradient is the rank's share."""
+        if self.t == 1 or w.group == "tp":
+            return False
+        return self.sp or any(part in f".{w.name}" for part in INSIDE_REGIONS)
+
+    def step(self, world: int):
+        for i, w in enumerate(self.weights):
+            if not w.trainable:
+                continue
+            if ".experts." in f".{w.name}":
+                groups = ("edp",)
+            elif self.partial_over_tp(w):
+                groups = ("dp", "tp")
+            else:
+                groups = ("dp",)
+            groups = tuple(g for g in groups if self.sizes[g] > 1)
+            self.weights[i] = WeightShard(**{**w.__dict__, "reduced_over": groups})
+            for g in groups:
+                self.coll(w.name, f"gradient sum over {g}", "step", "all_reduce", g, w.shard_shape, PARAM_DTYPE)
+        self.coll("grad_norm", "sum of the tp shards' squares", "step", "all_reduce", "tp", (), "float32")
+        self.coll("grad_norm", "sum of the expert shards' squares", "step", "all_reduce", "ep", (), "float32")
+        cfg = self.cfg
+        routers = cfg.num_moe_layers + cfg.num_nextn_predict_layers
+        if world > 1:
+            if routers:
+                self.coll("trainer", "expert load and dispatch traffic of every rank (host)", "step", "all_reduce",
+                          "world", (routers, cfg.n_routed_experts + 4), "float32", "host")
+            self.coll("trainer", "loss means over the ranks (host)", "step", "all_reduce", "world", (5,), "float32",
+                      "host")
+
+
+def group_sizes(layout, dispatcher: str = "alltoall") -> dict:
+    """Sizes of the groups a rank of `layout` exchanges on (rank 0's; every rank's are alike): tp, ep, dp, edp,
+    world, and for the hierarchical dispatcher the EP ranks in a node (ep_node) and across nodes (ep_inter)."""
+    from parallel.layout import Axis
+    sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp, "edp": layout.edp, "world": layout.world_size,
+             "ep_node": 1, "ep_inter": 1}
+    if dispatcher == "hierarchical" and layout.ep > 1:
+        ep = layout.group_of(Axis.EP, 0)
+        sizes["ep_node"] = sum(1 for r in ep if layout.node_of(r) == layout.node_of(0))
+        sizes["ep_inter"] = len({layout.node_of(r) for r in ep})
+    return sizes
+
+
+def stage_layers(cfg, layout, stage: int) -> tuple[int, int]:
+    """[first, end) of the decoder layers a stage holds (the dry run's even split)."""
+    from parallel.planner.model_shape import even_layer_split
+    counts = even_layer_split(cfg.num_hidden_layers, layout.pp)
+    first = sum(counts[:stage])
+    return first, first + counts[stage]
+
+
+def parallel_report(cfg, layout, batch: int, seq: int | None = None, stage: int = 0, recompute: str = "none",
+                    dispatcher: str | None = None) -> ParallelReport:
+    """One rank of `layout` (on pipeline stage `stage`) training `cfg` on micro-batches of `batch` sequences of
+    `seq` tokens (default cfg.seq_length). `recompute`: none | selective | full (the recipe's recompute_config);
+    `dispatcher`: the EP token dispatcher (default cfg.moe_token_dispatcher_type)."""
+    seq = seq or cfg.seq_length
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage {stage}: the layout has {layout.pp} pipeline stage(s)")
+    if layout.tp > 1 and seq % layout.tp:
+        raise ValueError(f"seq_length {seq} is not divisible by model_parallel {layout.tp}")
+    r = _Rank(cfg, layout, batch, seq, recompute, dispatcher or cfg.moe_token_dispatcher_type)
+    first, end = stage_layers(cfg, layout, stage)
+    has_embedding, has_head = stage == 0, stage == layout.pp - 1
+    r.model(first, end, has_embedding, has_head)
+    r.step(layout.world_size)
+    return ParallelReport(layout, batch, seq, layout.micro_batch_num, stage, (first, end), has_embedding, has_head,
+                          tuple(r.weights), tuple(r.collectives), r.sizes)
+
+
+def recipe_report(recipe, stage: int | None = None) -> ParallelReport:
+    """The report of a recipe's layout: its micro-batch (global_batch_size / (data_parallel x micro_batch_num)),
+    recompute and dispatcher; by default on the stage the dry run reports (the heaviest)."""
+    layout = recipe.layout
+    if stage is None:
+        from telechat_moe.dry_run import static_memory
+        stage = static_memory(recipe)["stage"]
+    batch = recipe.training.global_batch_size // (layout.dp * layout.micro_batch_num)
+    return parallel_report(recipe.model, layout, batch, recipe.model.seq_length, stage,
+                           recipe.recompute_config.mode, recipe.model.moe_token_dispatcher_type)
+
+
+# ---- the planner's figures for the same layout ---------------------------------------------------------------
+def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int = 0,
+                    recompute: str = "none") -> dict:
+    """The bytes per rank the planner's cost model (parallel/planner/cost_model.py) prices for one micro-batch of
+    this layout, read off its own blocks on a cluster of unit bandwidth and no latency in one node (so a
+    collective's seconds are its ring wire bytes): {(block, group, direction): bytes}. Blocks: dense_layer,
+    moe_layer (tp: the block's communication less its EP all-to-alls; ep: those), embedding, head, mtp_extra (an
+    MTP depth less its MoE layer and the head: the embedding lookup and eh_proj), and step (`gradient_comm` of the
+    stage: dp the dense gradients' reduce-scatter plus the weights' all-gather, edp the experts', tp the replicated
+    weights' partial gradients and the norm's scalar, ep the norm's scalar). The planner assumes sequence
+    parallelism whenever tp > 1. Every group is priced inside one node (so that the seconds are ring bytes): a
+    hierarchical EP scheme is priced flat. The tensor-parallel and step figures equal model_volumes' for a
+    sequence-parallel layout (both come from parallel/planner/tp_traffic.py); the EP all-to-alls do not: the
+    planner prices T/tp x top-k rows each way, the dispatcher sends capacity-padded buffers (not priced)."""
+    import dataclasses
+    import numpy as np
+    from parallel.layout import RECOMPUTE
+    from parallel.planner.cluster import Cluster
+    from parallel.planner.cost_model import (Layouts, Precision, Workload, _Costing, block_costs, even_stage,
+                                             gradient_comm, stage_memory)
+    from telechat_moe.workload import DTYPES
+    seq = seq or cfg.seq_length
+    inf = float("inf")
+    cluster = Cluster(name="unit-bandwidth", devices_per_node=max(8, layout.world_size), peak_flops={
+        "fp32": inf, "bf16": inf, "fp16": inf}, memory_bytes=inf, memory_bandwidth=inf, intra_bandwidth=1.0,
+        intra_latency=0.0, inter_bandwidth=1.0, inter_latency=0.0, matmul_efficiency=1.0, memory_efficiency=1.0,
+        network_efficiency=1.0, attention_efficiency=1.0, flash_attention=True, op_overhead=0.0,
+        usable_memory_fraction=1.0)
+    dtype = DTYPES[cfg.compute_dtype][0]
+    precision = Precision(matmul_dtype=dtype, activation_bytes=4 if dtype == "fp32" else 2, param_bytes=4,
+                          grad_bytes=4, residual_bytes=DTYPE_BYTES[RESIDUAL])
+    shape = dataclasses.replace(cfg.to_model_shape(), seq_length=seq)
+    global_batch = batch * layout.dp * layout.micro_batch_num
+    w = Workload(shape, cluster, layout.world_size, seq, global_batch, precision, overlap_grad_reduce=False)
+    scheme = "hierarchical" if cfg.moe_token_dispatcher_type == "hierarchical" else "flat"
+    lay = Layouts.of(dataclasses.replace(layout, micro_batch_size=batch, recompute=recompute, ep_overlap=False,
+                                         ep_scheme=scheme, devices_per_node=cluster.devices_per_node))
+    b = block_costs(w, lay)
+    mode = RECOMPUTE.index(recompute)
+    ep_moe = float(_Costing(w, lay).ep_all_to_all()[0])
+    redo = 2 if recompute == "full" else 1      # full recompute runs each layer's forward again in its backward
+
+    def comm(block, direction):
+        if direction == "forward":
+            return float(block.fwd_comm[0])
+        return float((block.bwd_comm + block.recompute_comm[mode])[0])
+
+    out = {}
+    for direction in ("forward", "backward"):
+        times = redo if direction == "backward" else 1
+        out[("dense_layer", "tp", direction)] = comm(b.dense, direction)
+        out[("moe_layer", "tp", direction)] = comm(b.moe, direction) - times * ep_moe
+        out[("moe_layer", "ep", direction)] = times * ep_moe
+        out[("embedding", "tp", direction)] = comm(b.embedding, direction)
+        out[("head", "tp", direction)] = comm(b.head, direction)
+        out[("mtp_extra", "tp", direction)] = comm(b.mtp, direction) - comm(b.moe, direction) - comm(b.head,
+                                                                                                     direction)
+    mem = stage_memory(w, lay, b, even_stage(w, lay, np.array([stage])))
+    step = gradient_comm(w, lay, mem)
+    for group in ("dp", "edp"):
+        out[("step", group, "step")] = float((step[group][0] + step[group][1])[0])
+    for group in ("tp", "ep"):
+        out[("step", group, "step")] = float(step[group][0])
+    return out
+
+
+def model_volumes(report: ParallelReport) -> dict:
+    """The report's wire bytes per rank in planner_volumes' blocks: the stage's first dense and first MoE layer,
+    the embedding and the head (the main ones), mtp.0's eh_proj and embedding lookup, the step's dp / edp / tp / ep
+    sums."""
+    first, end = report.layers
+    moe_layers = [i for i in range(first, end) if _is_moe(report, i)]
+    dense_layers = [i for i in range(first, end) if i not in moe_layers]
+    out = {}
+    for direction in ("forward", "backward"):
+        def wire(where, groups=("tp",)):
+            return sum(report.wire_bytes(direction=direction, group=g, where=where) for g in groups)
+        if dense_layers:
+            out[("dense_layer", "tp", direction)] = wire(f"layers.{dense_layers[0]}")
+        if moe_layers:
+            out[("moe_layer", "tp", direction)] = wire(f"layers.{moe_layers[0]}")
+            out[("moe_layer", "ep", direction)] = wire(f"layers.{moe_layers[0]}", ("ep", "ep_node", "ep_inter"))
+        if report.has_embedding:
+            out[("embedding", "tp", direction)] = wire(lambda w: w == "embed_tokens")
+        if report.has_head:
+            out[("head", "tp", direction)] = wire(lambda w: w in ("lm_head", "cross_entropy"))
+            if any(w.name.startswith("mtp.0.") for w in report.weights):
+                out[("mtp_extra", "tp", direction)] = wire(lambda w: w in ("mtp.0.eh_proj", "embed_tokens@mtp.0"))
+    for group in ("dp", "edp", "tp", "ep"):
+        out[("step", group, "step")] = report.wire_bytes(direction="step", group=group)
+    return out
+
+
+def _is_moe(report: ParallelReport, layer: int) -> bool:
+    return any(w.name == f"layers.{layer}.mlp.gate.weight" for w in report.weights)
+
+
+# ---- printing ----------------------------------------------------------------------------------------------------
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _layer_runs(report: ParallelReport) -> list[tuple[int, int]]:
+    """Consecutive decoder layers of one kind on the stage: [(first, last)], each run printed once."""
+    first, end = report.layers
+    kinds = {i: _is_moe(report, i) for i in range(first, end)}
+    runs = []
+    for i in range(first, end):
+        if runs and kinds[runs[-1][1]] == kinds[i]:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _layer_of(name: str) -> int | None:
+    if name.startswith("layers."):
+        return int(name.split(".")[1])
+    return None
+
+
+def _step_where(name: str) -> str:
+    layer = _layer_of(name)
+    if layer is not None:
+        return f"layers.{layer}.*"
+    return "mtp.*" if name.startswith("mtp.") else name
+
+
+def _collective_rows(report: ParallelReport, direction: str, shown: set, alike: dict) -> list[tuple]:
+    """Rows of one direction: identical collectives of a module counted once (xN), the step's gradient sums of a
+    layer in one row; layers alike to a shown one are left out, a line saying so after it."""
+    groups: dict[tuple, list] = {}
+    for c in report.select(direction=direction, host=True):
+        layer = _layer_of(c.where)
+        if layer is not None and layer not in shown:
+            continue
+        where = _step_where(c.where) if direction == "step" else c.where
+        shape = "" if direction == "step" else _shape(c.shape)
+        key = (where, c.what, c.kind, f"{c.group}={c.group_size}", shape, c.dtype)
+        entry = groups.setdefault(key, [0, 0, 0.0, c.shape])
+        entry[0] += 1
+        entry[1] += c.payload_bytes
+        entry[2] += c.wire_bytes
+    rows, keys = [], list(groups)
+    for i, key in enumerate(keys):
+        n, payload, wire, one_shape = groups[key]
+        where, what, kind, group, shape, dtype = key
+        if direction == "step":
+            shape = f"{n} tensors" if n > 1 else _shape(one_shape)
+        elif n > 1:
+            what = f"{what} (x{n})"
+        rows.append((where, what, kind, group, shape, dtype, _bytes(payload), _bytes(wire)))
+        layer = _layer_of(where)
+        following = _layer_of(keys[i + 1][0]) if i + 1 < len(keys) else None
+        if layer in alike and following != layer:
+            rows.append((f"  layers {layer + 1}..{alike[layer]} alike", "", "", "", "", "", "", ""))
+    return rows
+
+
+def format_report(report: ParallelReport) -> str:
+    """The sharding table and the collectives table of one rank, with their totals."""
+    lay = report.layout
+    first, end = report.layers
+    sizes = report.group_sizes
+    groups = ", ".join(f"{g}={sizes[g]}" for g in ("tp", "ep", "dp", "edp", "ep_node", "ep_inter", "world")
+                       if sizes.get(g, 1) > 1 or g == "world")
+    stage = (f"pipeline stage {report.stage} of {lay.pp} (the dry run's; pipeline parallelism is planned, not "
+             f"trained), " if lay.pp > 1 else "")
+    lines = [f"parallel plan of one rank: {stage}decoder layers {first}..{end - 1}"
+             f"{', embedding' if report.has_embedding else ''}{', norm, head and MTP' if report.has_head else ''}",
+             f"  groups: {groups}; sequence parallel: {bool(lay.sp) and lay.tp > 1}; micro-batch: {report.batch} "
+             f"sequence(s) x {report.seq} tokens, {report.micro_batches} per step"]
+    if lay.pp > 1:
+        lines.append("  pipeline: the stage's layers as the dry run splits them (contiguous"
+                     + ("; an interleaved schedule's chunks hold others" if lay.vpp > 1 else "") + "); the stage "
+                     "transfers (point-to-point) and the norm's sum over stages are not listed")
+        if report.has_head and not report.has_embedding and any(w.name.startswith("mtp.") for w in report.weights):
+            lines.append("  MTP looks the next tokens up in the embedding on this stage: its collectives are listed, "
+                         "but no copy of the embedding table is counted here (nor by the dry run)")
+    runs = _layer_runs(report)
+    shown = {a for a, _ in runs}
+    alike = {a: b for a, b in runs if b > a}
+
+    lines.append("weights (shard: what this rank holds):")
+    rows = []
+    for i, w in enumerate(report.weights):
+        layer = _layer_of(w.name)
+        if layer is not None and layer not in shown:
+            continue
+        split = f"dim {w.split_axis} over {w.group}={w.group_size}" if w.split_axis is not None else "replicated"
+        grad = "+".join(w.reduced_over) if w.reduced_over else "-"
+        rows.append((w.name, _shape(w.full_shape), split, _shape(w.shard_shape),
+                     f"{w.numel:,}" if w.trainable else f"{w.numel:,} (not trainable)", grad if w.trainable else ""))
+        following = _layer_of(report.weights[i + 1].name) if i + 1 < len(report.weights) else None
+        if layer in alike and following != layer:
+            per = sum(x.numel for x in report.weights if _layer_of(x.name) == layer and x.trainable)
+            rows.append((f"  layers {layer + 1}..{alike[layer]} alike ({per:,} trainable parameters each)",
+                         "", "", "", "", ""))
+    lines += _table(rows, ("name", "full shape", "split", "shard", "parameters", "gradient summed over"))
+    lines.append(f"parameters per rank (stage {report.stage}): {report.parameters:,} = "
+                 f"{_bytes(report.parameter_bytes)} in {PARAM_DTYPE} ({report.parameter_bytes:,} B), of them "
+                 f"{report.expert_parameters:,} in routed experts")
+
+    lines.append("collectives (shape: the tensor entering it; payload: the full buffer; wire: bytes this rank "
+                 "sends under ring):")
+    if not report.collectives:
+        lines.append("  none: every group of this layout has one rank")
+    for direction in DIRECTIONS:
+        rows = _collective_rows(report, direction, shown, alike)
+        if rows:
+            lines.append(f"  {direction}" + (" (once a step)" if direction == "step" else " (each micro-batch)") + ":")
+            lines += _table(rows, ("where", "what", "kind", "group", "shape", "dtype", "payload", "wire"))
+
+    fwd, bwd = report.wire_bytes(direction="forward"), report.wire_bytes(direction="backward")
+    step, host = report.wire_bytes(direction="step"), report.wire_bytes(direction="step", host=True)
+    lines.append(f"collective wire bytes per rank: forward {_bytes(fwd)} + backward {_bytes(bwd)} per micro-batch; "
+                 f"gradient reduction {_bytes(step)} (+ {_bytes(host - step)} on the host) per step")
+    per_group: dict[str, float] = {}
+    for c in report.collectives:
+        per_group[c.group] = per_group.get(c.group, 0.0) + c.wire_bytes * (
+            1 if c.direction == "step" else report.micro_batches)
+    by_group = ", ".join(f"{g} {_bytes(v)}" for g, v in sorted(per_group.items()))
+    total = report.step_wire_bytes()
+    lines.append(f"collective wire bytes per rank and step ({report.micro_batches} micro-batch(es)): "
+                 f"{_bytes(total)} ({total:,.0f} B; payload {report.step_payload_bytes():,} B)"
+                 + (f"; by group: {by_group}" if by_group else ""))
+    return "\n".join(lines)
+
+
+def _table(rows, header) -> list[str]:
+    if not rows:
+        return []
+    sized = [r for r in rows if any(r[1:])] + [header]
+    widths = [max(len(str(r[i])) for r in sized) for i in range(len(header))]
+    out = ["    " + "  ".join(str(h).ljust(widths[i]) for i, h in enumerate(header)).rstrip()]
+    for r in rows:
+        if not any(r[1:]):
+            out.append("    " + r[0].strip())
+            continue
+        out.append("    " + "  ".join(str(v).ljust(widths[i]) for i, v in enumerate(r)).rstrip())
+    return out
+
+
+def format_planner_comparison(report: ParallelReport, cfg, recompute: str = "none") -> str:
+    """The planner's bytes for the same layout beside the model's (planner_volumes, model_volumes)."""
+    lay = report.layout
+    if lay.tp == 1 and lay.ep == 1 and lay.dp == 1:
+        return ""
+    planner = planner_volumes(cfg, lay, report.batch, report.seq, report.stage, recompute)
+    model = model_volumes(report)
+    lines = ["planner's communication for this layout (cost_model.py, ring wire bytes per rank) beside the model's:"]
+    if lay.tp > 1 and not lay.sp:
+        lines.append("  (the planner prices sequence parallelism whenever tp > 1; this layout has it off)")
+    rows = []
+    for key in sorted(model, key=lambda k: (k[0], k[1], DIRECTIONS.index(k[2]))):
+        block, group, direction = key
+        m, p = model[key], planner.get(key, 0.0)
+        if m == 0 and p == 0:
+            continue
+        rows.append((block, group, direction, f"{m:,.0f}", f"{p:,.0f}", f"{m / p:.3f}" if p else "-"))
+    return "\n".join(lines + _table(rows, ("block", "group", "direction", "model", "planner", "model/planner")))
