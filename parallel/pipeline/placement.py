@@ -244,9 +244,12 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
 
     Objective, lexicographic: first the steady-state period of (interleaved) 1F1B, the sum over chunks of the
     slowest stage's chunk (the planner's step formula: (m - 1/v) * sum_c max_s t[s, c] + work / v, the step itself
-    with `options.micro_batches`), then the slowest stage's time; for one chunk per stage both are the slowest
-    stage. Minimising only the slowest stage lets the chunks of a stage differ freely, and the interleaved step then
-    pays each chunk's own maximum. Without `tie_breaks` only the first objective; `gap` is the relative MIP gap the
+    with `options.micro_batches`), then the slowest chunk of any stage, then the slowest stage's time; for one chunk
+    per stage all three are the slowest stage. Minimising only the slowest stage lets the chunks of a stage differ
+    freely, and the interleaved step then pays each chunk's own maximum; the period alone cannot tell chunks split
+    alike on every stage (1+4 layers from 2+3), which the simulated schedule pays for in its slowest chunk. Each
+    later pass keeps the earlier objectives within HiGHS' feasibility tolerance (1e-7 relative), so it only breaks
+    their ties. Without `tie_breaks` only the first objective; `gap` is the relative MIP gap the
     first pass stops at (default HiGHS' own); without `prove` the best placement found within `time_limit` is
     returned, with that gap in Placement.gap, instead of an error.
 
@@ -316,6 +319,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     if tie_breaks:
         z = var(np.inf, integer=False)
         floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the last pass
+        largest = var(np.inf, integer=False)  # the slowest segment (chunk of a stage), the second pass's objective
     chunk_max = [var(np.inf, integer=False) for _ in range(chunks)]
     period = var(np.inf, integer=False)
 
@@ -381,6 +385,8 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     for k in range(segs):  # every segment holds at least one unit, and at most its chunk's slowest time
         add([(1.0, at(k + 1, "pos")), (-1.0, at(k, "pos"))], 1.0, np.inf)
         add(segment(k, "t") + [(-1.0, ({chunk_max[k // stages]: 1.0}, 0.0))], -np.inf, 0.0)
+        if tie_breaks and chunks > 1:
+            add(segment(k, "t") + [(-1.0, ({largest: 1.0}, 0.0))], -np.inf, 0.0)
     rows.append(({period: 1.0, **{x: -1.0 for x in chunk_max}}, 0.0, 0.0))
     holding: dict[int, list[int]] = {}
 
@@ -505,19 +511,40 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         out[target] = value + 1e-7 * (1 + abs(value))
         return out
 
+    def reached(target: int, x: np.ndarray) -> float:
+        """The slowest chunk's (`largest`) or stage's (`z`) time of the solution with its integers rounded, at least
+        the solver's value: the solver meets rows and integrality only to its tolerances, and a cap below what the
+        placement really takes could leave the next pass without a solution."""
+        xi = np.where(np.array(integrality) == 1, np.round(x), x)
+
+        def value(terms) -> float:
+            return sum(coef * (c0 + sum(c * xi[j] for j, c in expr.items())) for coef, (expr, c0) in terms)
+
+        seg = [value(segment(k, "t")) for k in range(segs)]
+        got = max(seg) if target == largest else max(sum(seg[s::stages]) for s in range(stages))
+        return max(float(x[target]), got)
+
     bound = np.array(upper)
     proven = {"time_limit": time_limit}
     res = minimise(goal, bound, proven if gap is None else {**proven, "mip_rel_gap": gap}, prove)
     stopped_at = float(getattr(res, "mip_gap", 0.0) or 0.0) if res.status != 0 else 0.0
     if tie_breaks and chunks > 1:
+        # second pass: at that period, the slowest chunk. The period is blind to how a stage's time splits over its
+        # chunks when every stage splits alike (1+4 and 2+3 layers are both 5 layers of period), but interleaved
+        # 1F1B runs the chunks of different stages side by side, so its steady state waits on the slowest chunk
+        # anywhere (simulated, p=16, v=2, m=64, every stage F=1, B=2: step 214.5 with its chunks split 1:1, 301.8
+        # at 1:4, the same period).
         bound = capped(bound, goal, res.x[goal])
+        res = minimise(largest, bound, proven, prove)
+        bound = capped(bound, largest, reached(largest, res.x))
         res = minimise(z, bound, proven, prove)
-    # last pass, a tie-break: among the placements with that period and slowest stage, raise the fastest one, so
-    # that the other stages do not keep whatever uneven split the first passes returned. Its best within a node
-    # budget will do (a node budget, not a time limit, so that the answer does not depend on the machine's speed).
+    # last pass, a tie-break: among the placements with that period, slowest chunk and slowest stage, raise the
+    # fastest stage, so that the other stages do not keep whatever uneven split the first passes returned. Its best
+    # within a node budget will do (a node budget, not a time limit, so that the answer does not depend on the
+    # machine's speed).
     if tie_breaks:
-        res = minimise(floor, capped(bound, z, res.x[z]), {"node_limit": tie_break_nodes, "time_limit": time_limit},
-                       prove=False, sign=-1.0)
+        res = minimise(floor, capped(bound, z, reached(z, res.x)),
+                       {"node_limit": tie_break_nodes, "time_limit": time_limit}, prove=False, sign=-1.0)
     x = np.round(res.x)
     cuts = []
     for k in range(segs + 1):
@@ -540,9 +567,10 @@ def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions
 
     The cost model bills head and MTP together on the last stage; the head is scored on the model without MTP and
     each MTP depth as the difference. MTP on a stage of its own holds its own copy of the head (the head's vocabulary
-    matrix) and, unless its embedding lookup runs on the first stage (`mtp_embedding_on_first_stage`, which adds
-    that lookup to the embedding unit) or `mtp_embedding_copy` is off, a copy of the embedding table. Dense, MoE and
-    MTP units run the layout's recompute mode and offer each mode of `recompute` as a choice to `balance`.
+    matrix) and, unless its embedding lookup runs on the first stage (`mtp_embedding_on_first_stage`, which moves
+    that lookup and its collectives to the embedding unit) or `mtp_embedding_copy` is off, a copy of the embedding
+    table. Dense, MoE and MTP units run the layout's recompute mode and offer each mode of `recompute` as a choice
+    to `balance`.
     """
     own = layout.recompute
     modes = tuple(dict.fromkeys((own, *recompute)))
@@ -579,7 +607,11 @@ def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions
         if depth and options.mtp_embedding_copy and not options.mtp_embedding_on_first_stage:
             mtp["static"] += emb["static"]
     if depth and options.mtp_embedding_on_first_stage:
-        for key in ("fwd_compute", "bwd_compute"):
+        # the cost model bills the MTP lookup's tensor-parallel collectives in the MTP depth: they move with it
+        for r in modes:
+            for key in ("fwd_comm", "bwd_comm"):
+                cost["mtp", r][key] -= emb[key]
+        for key in ("fwd_compute", "bwd_compute", "fwd_comm", "bwd_comm"):
             emb[key] *= 1 + depth
 
     def unit(name: str, kind: str, c: dict, layer: int = -1, r: str | None = None) -> Unit:
