@@ -11,6 +11,10 @@ from the most specific to the least and says what it saw:
     exact factor      b == alpha * a on at least FACTOR_ELEMENTS elements that agree on alpha; alpha matching a
                       degree of either layout names the dimension (TP degree: TP scaling; micro-batch count: PP
                       accumulation; DP degree: DP averaging), another alpha is a scaling no degree explains
+    routing tie       an MoE layer's output differs in a few whole tokens only (at most TIE_SHARE of them), the
+                      others agreeing: those tokens chose other experts. A token whose k-th and (k+1)-th expert
+                      scores lie within rounding of each other flips on any change of summation order (tensor
+                      parallelism changes the forward's sums), so this is not a fault by itself
     sequence shard    the error sits in one contiguous block of sequence positions of a run that shards the
                       sequence: a shard's position offset
     permutation       the same values in another order, in a run with expert parallelism (EP)
@@ -34,6 +38,7 @@ class Risk(str, Enum):
     PP = "PP: accumulation order or scaling across micro-batches"
     SP = "SP: position offset in RoPE on a sequence shard"
     EP = "EP: routing or combine weights inconsistent"
+    ROUTING_TIE = "MoE routing tie: a few tokens chose another expert, their scores tied within rounding"
     SCALE = "scaling by a factor no parallel degree explains"
     NUMERIC = "numerical drift (reduction order, dtype), not a logic fault"
     INCONCLUSIVE = "inconclusive: neither the layouts nor the pattern of the difference single out a cause"
@@ -62,6 +67,8 @@ DRIFT_ELEMENTS, DRIFT_SHARE, SPREAD_RATIO = 4, 0.01, 0.1
 # b = alpha * a names a factor only when this many elements of a (of at least SPREAD_RATIO times its largest
 # magnitude) agree on it: one pair of numbers fits any factor, and a second agrees with it by chance too easily.
 FACTOR_ELEMENTS = 4
+# A routing tie changes whole tokens, and few: at most this share of a micro-batch's tokens (at least one).
+TIE_SHARE = 0.01
 EP_WORDS = ("moe", "router", "route", "expert", "dispatch", "combine", "permute")
 ROPE_WORDS = ("rope", "rotary", "pos")
 
@@ -136,6 +143,22 @@ def is_permutation(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
     """True when b holds a's values in another order."""
     return relative_error(np.sort(b.astype(np.float64), axis=None), np.sort(a.astype(np.float64), axis=None)) \
         <= SIGNATURE_FACTOR * tol
+
+
+def tied_tokens(a: np.ndarray, b: np.ndarray, dims: str, tol: float) -> list[tuple[int, ...]] | None:
+    """The token positions whose hidden vectors differ beyond SIGNATURE_FACTOR tolerances when they are at most
+    TIE_SHARE of the tokens and every other token agrees within them; None otherwise (or without an h axis)."""
+    if "h" not in dims or a.ndim != len(dims):
+        return None
+    h = dims.index("h")
+    a2, b2 = np.moveaxis(a.astype(np.float64), h, -1), np.moveaxis(b.astype(np.float64), h, -1)
+    scale = max(float(np.linalg.norm(a2, axis=-1).max()), np.finfo(np.float64).tiny)
+    per_token = np.linalg.norm(b2 - a2, axis=-1) / scale
+    off = per_token > SIGNATURE_FACTOR * tol
+    n = int(off.sum())
+    if n == 0 or n > max(1, TIE_SHARE * off.size):
+        return None
+    return [tuple(int(i) for i in pos) for pos in np.argwhere(off)]
 
 
 def spread_elements(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
@@ -239,6 +262,16 @@ def diagnose(name: str, kind: str, operator: str, dims: str, a: np.ndarray, b: n
                                          f"{residual:.2g}), the factor is {matched[1]}")
         return Diagnosis(Risk.SCALE, f"{facts}; B = {alpha:.6g} x A exactly on {pinning} elements (residual "
                                      f"{residual:.2g}), no parallel degree of either run is this factor")
+
+    if kind == "forward" and _has(EP_WORDS, name, operator):
+        tokens = tied_tokens(a, b, dims, tol)
+        if tokens:
+            shown = ", ".join(str(t) for t in tokens[:5]) + (" ..." if len(tokens) > 5 else "")
+            return Diagnosis(Risk.ROUTING_TIE, f"{facts}; only {len(tokens)} token(s) differ, at positions "
+                                               f"{shown} ({dims.replace('h', '')} indices), every other token "
+                                               f"agreeing: they were routed to other experts; compare their "
+                                               f"routers' k-th and (k+1)-th scores (a gap within rounding is a "
+                                               f"tie, not a fault)")
 
     block = sequence_block(a, b, dims, tol)
     if block:

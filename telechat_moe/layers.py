@@ -31,7 +31,7 @@ def weight_seed(seed: int, name: str) -> tuple[int, int]:
 def logsumexp(x, axis: int = -1):
     """log(sum(exp(x))) with the max shift outside the gradient: the same value and gradient as the textbook
     form, without differentiating through ReduceMax (which costs an argmax-mask pass over the whole vocabulary)."""
-    m = ops.stop_gradient(x.max(axis, keepdims=True))
+    m = ops.stop_gradient(ops.amax(x, axis, keepdims=True))
     return (m + ops.log(ops.exp(x - m).sum(axis, keepdims=True))).squeeze(axis)
 
 
@@ -102,7 +102,7 @@ class SwiGLU(nn.Cell):
     def __init__(self, hidden: int, intermediate: int, init_std: float, compute_dtype=ms.float32, seed: int = 0,
                  name: str = "mlp", tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.enter = EnterRegion(tp)
+        self.enter = EnterRegion(tp, compute_dtype)
         self.gate_proj = column_linear(hidden, intermediate, init_std, compute_dtype,
                                        weight_seed(seed, f"{name}.gate_proj"), tp, input_ready=True)
         self.up_proj = column_linear(hidden, intermediate, init_std, compute_dtype,

@@ -116,7 +116,7 @@ class MultiLatentAttention(nn.Cell):
         def seed_of(what):
             return weight_seed(seed, f"{name}.{what}")
 
-        self.enter = EnterRegion(tp)
+        self.enter = EnterRegion(tp, cdt)
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, std, cdt, seed_of("q_a_proj"))
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps) if cfg.qk_layernorm else nn.Identity()

@@ -25,6 +25,7 @@ class SequenceParallelProjection(ColumnParallelLinear):
 
     def construct(self, x):
         n = x.shape[1]
+        x = x.astype(self.compute_dtype)
         x = ops.transpose(self.seq_gather(ops.transpose(x, (1, 0, 2))), (1, 0, 2))        # [b, s, 2h]
         y = self._local(x)                                                                 # [b, s, h/tp]
         full = ops.transpose(self.hidden_gather(ops.transpose(y, (2, 0, 1))), (1, 2, 0))   # [b, s, h]

@@ -6,6 +6,26 @@ os.environ.setdefault("LOG_MF_PATH", os.path.join(tempfile.gettempdir(), "telech
 os.environ.setdefault("GLOG_v", "3")
 
 import mindspore  # noqa: E402
+import pytest  # noqa: E402
 
 # Fix the device before any kernel runs, so tests that set it again (to the same CPU) are accepted in any order.
 mindspore.set_device("CPU")
+
+
+
+# the steps of one_process_tiny (on top of tests.test_training.SHORT); a run compared with it uses the same
+PARALLEL_STEPS = ["training.train_steps=4", "training.save_interval=1"]
+
+
+@pytest.fixture(scope="session")
+def one_process_tiny(tmp_path_factory):
+    """tiny (tests.test_training.SHORT) for 4 steps in one process, a checkpoint and a tensor dump at every step: the
+    run that the expert- and tensor-parallel runs across processes are compared with (read it, never write it)."""
+    from tests.helpers import run_cli
+    from tests.test_training import SHORT, sets
+    out = tmp_path_factory.mktemp("one_process") / "one"
+    proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*SHORT, *PARALLEL_STEPS, "training.dump_steps=1-4",
+                                                              f"output_dir={out}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+

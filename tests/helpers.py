@@ -75,3 +75,26 @@ def assert_one_line_error(proc, *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
     return lines[0]
+
+
+def assert_losses_match(one: Path, out: Path, steps, label: str) -> None:
+    """The losses and gradient norm `out` logged at `steps` equal those of the one-process run `one`, within the
+    float32 chain tolerance of precision/ for the steps since the start (or the resume)."""
+    from precision.tolerance import chain_tolerance, relative_error
+    from tests.test_training import metrics
+    tokens = 4 * 64
+    first, later = chain_tolerance("float32", [tokens]), chain_tolerance("float32", [tokens, tokens])
+    base, logged = metrics(one), metrics(out)
+    for step in steps:
+        for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm"):
+            err = relative_error(logged[step][key], base[step][key])
+            print(f"step {step} {key}: one process {base[step][key]:.7f}, {label} {logged[step][key]:.7f}, "
+                  f"relative error {err:.2e}")
+            assert err <= (first if step == 1 else later).rtol, (label, step, key, err)
+
+
+def assert_no_divergence(one: Path, out: Path) -> None:
+    """precision.compare aligns the two runs' tensor dumps and finds no divergence."""
+    report = run_cli("-m", "precision.compare", str(one / "dump"), str(out / "dump"), "--png", "")
+    assert report.returncode == 0 and "no divergence" in report.stdout, report.stdout + report.stderr
+    print(report.stdout.splitlines()[-1])

@@ -404,3 +404,22 @@ def test_tolerance_follows_depth_not_the_tensor_count(tmp_path):
     # deeper forward outputs and gradients further down the backward get more
     assert many["layers.0.out"] < many["layers.3.out"] < many["loss"]
     assert many["loss"] < many["grad.layers.3.experts.0"] < many["grad.layers.0.experts.0"]
+
+
+def test_a_few_tokens_of_an_moe_layer_differing_is_a_routing_tie():
+    """Found on a real run (tiny, tp=2 x dp=2 against one process, step 30 from the same step-29 weights): layer 2's
+    MoE output differed in one token of 1024, whose 4th and 5th expert scores were 3e-8 apart (float32's resolution
+    at 0.65 is 6e-8). That is a routing tie; the same change in a dense operator, or in many tokens, is not."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 64, 16))
+    tol = 1e-5
+    b = a * (1 + 1e-7 * rng.uniform(-1, 1, a.shape))
+    b[1, 37] = rng.standard_normal(16)                  # one token computed by other experts
+    diagnosis = diagnose("layers.2", "forward", "moe", "bsh", a, b, tol, [{"tp": 2, "dp": 2}, {}], False)
+    assert diagnosis.risk is Risk.ROUTING_TIE and "(1, 37)" in diagnosis.evidence, diagnosis
+    assert diagnose("layers.2", "forward", "mlp", "bsh", a, b, tol, [{"tp": 2}, {}], False).risk \
+        is not Risk.ROUTING_TIE
+    many = b.copy()
+    many[0, :8] = rng.standard_normal((8, 16))          # 9 of 128 tokens: more than a tie moves
+    assert diagnose("layers.2", "forward", "moe", "bsh", a, many, tol, [{"tp": 2}, {}], False).risk \
+        is not Risk.ROUTING_TIE

@@ -152,6 +152,7 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def construct(self, x):
         if not self.input_ready:
+            x = x.astype(self.compute_dtype)      # the collective moves what the matmul takes
             if self.sequence_parallel:
                 x = _seq_first(self.seq_gather(_seq_first(x)))
             else:
@@ -263,8 +264,8 @@ class VocabParallelCrossEntropy(nn.Cell):
         logits = logits.reshape(-1, width).astype(ms.float32)
         labels = labels.reshape(-1)
         mask = mask.reshape(-1).astype(ms.float32)
-        local_max = ops.stop_gradient(logits.max(-1))
-        shift = ops.stop_gradient(self.gather(local_max).reshape(self.tp, -1).max(0))
+        local_max = ops.stop_gradient(ops.amax(logits, -1))
+        shift = ops.stop_gradient(ops.amax(self.gather(local_max).reshape(self.tp, -1), 0))
         shifted = logits - shift.expand_dims(-1)
         sum_exp = self.reduce_sum_exp(ops.exp(shifted).sum(-1))
         start = self.rank * width

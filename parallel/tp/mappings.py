@@ -95,15 +95,21 @@ class GatherSequenceReplicated(nn.Cell):
 
 class EnterRegion(nn.Cell):
     """The input of a tensor-parallel region: the replicated [b, s, h] as is (gradient all-reduced over tp), or
-    under sequence parallelism this rank's [b, s/tp, h] all-gathered into [b, s, h]. Identity at tp=1."""
+    under sequence parallelism this rank's [b, s/tp, h] all-gathered into [b, s, h]. Identity at tp=1.
 
-    def __init__(self, tp: TensorParallel):
+    Over tp the input is cast to `dtype` first, the compute dtype of the region's linear layers, which cast it so
+    anyway: the collective moves (and its gradient comes back in) the compute dtype, not the float32 stream."""
+
+    def __init__(self, tp: TensorParallel, dtype=None):
         super().__init__()
         self.active = tp.tp > 1
+        self.dtype = dtype
         if self.active:
             self.enter = GatherSequence(tp) if tp.sp else CopyToGroup(tp.transport)
 
     def construct(self, x):
         if self.active:
+            if self.dtype is not None:
+                x = x.astype(self.dtype)
             return self.enter(x)
         return x

@@ -56,7 +56,7 @@ class TopKRouter(nn.Cell):
             if self.cfg.scoring_func == "sigmoid":
                 group_scores = ops.topk(grouped, 2)[0].sum(-1)
             else:
-                group_scores = grouped.max(-1)
+                group_scores = ops.amax(grouped, -1)
             group_idx = ops.topk(group_scores, self.cfg.topk_group)[1]
             group_mask = ops.one_hot(group_idx, g, self.on_value, self.off_value).sum(1)
             expert_mask = ops.broadcast_to(ops.expand_dims(group_mask, -1), grouped.shape).reshape(t, -1)
