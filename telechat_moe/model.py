@@ -19,7 +19,7 @@ from dvm_fusion.grouped_matmul import grouped_matmul_for
 from telechat_moe.config import ModelConfig
 from parallel.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
 from parallel.tp.mappings import TensorParallel
-from telechat_moe.layers import Embedding, Linear, RMSNorm, SwiGLU, column_linear, logsumexp, ms_dtype, weight_seed
+from telechat_moe.layers import Embedding, RMSNorm, SwiGLU, column_linear, logsumexp, ms_dtype, weight_seed
 from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.layer import ROUTING_STATS, MoELayer
@@ -171,10 +171,15 @@ class TeleChatMoE(nn.Cell):
             return out.reshape(-1, out.shape[-1])
         return self.head_matmul(h.reshape(-1, h.shape[-1]).astype(ms.float32), self.embed_tokens.weight)
 
-    def cross_entropy(self, logits, labels, mask):
-        """Mean over masked-in positions of -log softmax(logits)[label], in float32 (vocab-parallel over tp)."""
+    def loss(self, logits, labels, mask):
+        """`cross_entropy` of this rank's logits: vocab-parallel over tp (parallel.tp.VocabParallelCrossEntropy)."""
         if self.vocab_cross_entropy is not None:
             return self.vocab_cross_entropy(logits, labels, mask)
+        return self.cross_entropy(logits, labels, mask)
+
+    @staticmethod
+    def cross_entropy(logits, labels, mask):
+        """Mean over masked-in positions of -log softmax(logits)[label], in float32."""
         labels = labels.reshape(-1, 1)
         nll = logsumexp(logits, -1) - ops.gather_elements(logits, 1, labels).squeeze(-1)
         mask = mask.reshape(-1).astype(ms.float32)
@@ -204,7 +209,7 @@ class TeleChatMoE(nn.Cell):
 
     def head_losses(self, h, labels, loss_mask, cos, sin, bias, aux, z, loads):
         """Everything after the decoder layers: final norm, head, MTP blocks, and the losses."""
-        lm_loss = self.cross_entropy(self.logits(self.norm(h)), labels, loss_mask)
+        lm_loss = self.loss(self.logits(self.norm(h)), labels, loss_mask)
         mtp_loss = ops.zeros((), ms.float32)   # a tensor also without MTP blocks: the step reads every loss's value
         next_ids, mtp_mask = labels, loss_mask
         for block in self.mtp:
@@ -214,7 +219,7 @@ class TeleChatMoE(nn.Cell):
             h, a, zz, load = block(h, self.embed(next_ids), cos, sin, bias)
             aux, z = aux + a, z + zz
             loads.append(load)
-            mtp_loss = mtp_loss + self.cross_entropy(self.logits(h), mtp_labels, mtp_mask)
+            mtp_loss = mtp_loss + self.loss(self.logits(h), mtp_labels, mtp_mask)
             next_ids = mtp_labels
         if self.mtp:
             mtp_loss = mtp_loss / len(self.mtp)

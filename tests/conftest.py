@@ -13,8 +13,9 @@ mindspore.set_device("CPU")
 
 
 
-# the steps of one_process_tiny (on top of tests.test_training.SHORT); a run compared with it uses the same
-PARALLEL_STEPS = ["training.train_steps=4", "training.save_interval=1"]
+# what one_process_tiny sets on top of tests.test_training.SHORT (z-loss on, so that every logged loss is compared);
+# a run compared with it sets the same
+PARALLEL_COMMON = ["training.train_steps=4", "training.save_interval=1", "model.moe_z_loss_coeff=1e-3"]
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +25,7 @@ def one_process_tiny(tmp_path_factory):
     from tests.helpers import run_cli
     from tests.test_training import SHORT, sets
     out = tmp_path_factory.mktemp("one_process") / "one"
-    proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*SHORT, *PARALLEL_STEPS, "training.dump_steps=1-4",
+    proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*SHORT, *PARALLEL_COMMON, "training.dump_steps=1-4",
                                                               f"output_dir={out}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

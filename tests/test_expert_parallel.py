@@ -9,7 +9,7 @@ import shutil
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import PARALLEL_STEPS
+from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli, run_workers
 from tests.test_training import SHORT, metrics, sets
 
@@ -50,7 +50,7 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, one
     process), continuing the one-process run's losses. (Resuming at a larger expert_parallel, and with tensor
     parallelism, is tests/test_tensor_parallel.py's training test.)"""
     one, ep4, ep1 = one_process_tiny, tmp_path / "ep4", tmp_path / "ep1"
-    common = SHORT + PARALLEL_STEPS
+    common = SHORT + PARALLEL_COMMON
     tokenizer = f"data.tokenizer={one / 'tokenizer.model'}"
     msrun_train(tmp_path, "ep4", 4, *common, "training.train_steps=2", "parallel_config.expert_parallel=4",
                 "parallel_config.devices_per_node=2", "model.moe_token_dispatcher_type=hierarchical", tokenizer,

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
-from tests.conftest import PARALLEL_STEPS
+from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli, run_workers
 from tests.test_training import SHORT, sets
 
@@ -62,7 +62,7 @@ def test_tensor_parallel_training_matches_one_process_and_reshards(tmp_path, one
     checkpoint holds its slices. The checkpoint then resumes at tp=1 x ep=1 (one process) and at tp=4 with sequence
     parallelism and ep=4 (4 processes), both continuing the one-process losses at step 3."""
     one, tp2, tp1, tp4 = one_process_tiny, tmp_path / "tp2", tmp_path / "tp1", tmp_path / "tp4"
-    common = [*SHORT, *PARALLEL_STEPS, f"data.tokenizer={one / 'tokenizer.model'}"]
+    common = [*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}"]
 
     def msrun_train(name, *assignments, resume=False):
         proc, logs = msrun(4, tmp_path / f"{name}_logs", "run_train.py", "--recipe", "tiny",

@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from precision.tolerance import chain_tolerance, relative_error
-from tests.helpers import ROOT, assert_one_line_error, free_port, run_cli
+from tests.helpers import ROOT, assert_one_line_error, msrun, run_cli
 
 # A smaller variant of tiny.yaml for the tests that compare runs: same architecture, shorter sequences.
 SHORT = ["model.seq_length=64", "model.max_position_embeddings=64", "model.original_max_position_embeddings=64",
@@ -124,26 +123,17 @@ def test_resume_after_kill_is_exact(tmp_path):
 
 
 # ---- data parallel ---------------------------------------------------------------------------------------------
-def test_data_parallel_under_msrun_matches_one_process(tmp_path):
+def test_data_parallel_under_msrun_matches_one_process(tmp_path, one_process_tiny):
     """Same global batch, DP=2 under msrun vs one process. Only the reduction order differs (per-rank means, then a
     mean over ranks, instead of one mean), so after the first step Adam's first moment (linear in the gradient)
     agrees within the fp32 tolerance of that reduction. Adam then moves each weight by at most lr per step whatever
     the gradient, so after n steps the weights cannot differ by more than 2 * sum(lr) per element (a tighter
     weight bound would be a guess: an element whose gradient is near zero may take a step of either sign)."""
-    one, two = tmp_path / "dp1", tmp_path / "dp2"
-    # z-loss on, so that every logged loss is compared
-    common = SHORT + ["training.train_steps=3", "training.save_interval=1", "training.dump_steps=1",
-                      "model.moe_z_loss_coeff=1e-3"]
-    proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*common, f"output_dir={one}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    proc = run_cli(msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}", "--join=True",
-                   f"--log_dir={tmp_path / 'msrun_logs'}", "--cluster_time_out=120", "run_train.py",
-                   "--recipe", "tiny",
-                   *sets(*common, "parallel_config.data_parallel=2", f"data.tokenizer={one / 'tokenizer.model'}",
-                         f"output_dir={two}"), env=env)
-    logs = "".join(p.read_text(errors="replace")[-2000:] for p in (tmp_path / "msrun_logs").glob("worker_*.log"))
+    one, two = one_process_tiny, tmp_path / "dp2"     # the one-process run has z-loss on: every loss is compared
+    common = SHORT + PARALLEL_COMMON + ["training.dump_steps=1"]
+    proc, logs = msrun(2, tmp_path / "msrun_logs", "run_train.py", "--recipe", "tiny",
+                       *sets(*common, "parallel_config.data_parallel=2", f"data.tokenizer={one / 'tokenizer.model'}",
+                             f"output_dir={two}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "world=2" in logs
 
@@ -174,10 +164,10 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path):
     # the loss's reduction order differs (per-rank means, then their mean); later steps also carry the weights'
     # differences, which the first-moment bound above keeps within the same chain over the step's tokens.
     logged_one, logged_two = metrics(one), metrics(two)
-    assert sorted(logged_one) == sorted(logged_two) == [1, 2, 3]
+    assert sorted(logged_one) == sorted(logged_two) == [1, 2, 3, 4]
     keys = ("loss", "lm_loss", "mtp_loss", "aux_loss", "z_loss", "grad_norm")
     step_tol = chain_tolerance("float32", [tokens, tokens])
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         for key in keys:
             err = relative_error(logged_two[step][key], logged_one[step][key])
             print(f"step {step} {key}: one process {logged_one[step][key]:.7f}, DP=2 {logged_two[step][key]:.7f}, "
