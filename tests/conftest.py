@@ -15,7 +15,8 @@ mindspore.set_device("CPU")
 
 # what one_process_tiny sets on top of tests.test_training.SHORT (z-loss on, so that every logged loss is compared);
 # a run compared with it sets the same
-PARALLEL_COMMON = ["training.train_steps=4", "training.save_interval=1", "model.moe_z_loss_coeff=1e-3"]
+PARALLEL_COMMON = ["training.train_steps=4", "training.save_interval=1", "training.keep_checkpoints=4",
+                   "model.moe_z_loss_coeff=1e-3"]
 
 
 @pytest.fixture(scope="session")

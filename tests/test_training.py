@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from precision.tolerance import chain_tolerance, relative_error
+from tests.conftest import PARALLEL_COMMON
 from tests.helpers import ROOT, assert_one_line_error, msrun, run_cli
 
 # A smaller variant of tiny.yaml for the tests that compare runs: same architecture, shorter sequences.
