@@ -22,7 +22,7 @@ PARALLEL_COMMON = ["training.train_steps=4", "training.save_interval=1", "traini
 @pytest.fixture(scope="session")
 def one_process_tiny(tmp_path_factory):
     """tiny (tests.test_training.SHORT) for 4 steps in one process, a checkpoint and a tensor dump at every step: the
-    run that the expert- and tensor-parallel runs across processes are compared with (read it, never write it)."""
+    run that the data-, tensor- and expert-parallel runs across processes are compared with (read it, never write it)."""
     from tests.helpers import run_cli
     from tests.test_training import SHORT, sets
     out = tmp_path_factory.mktemp("one_process") / "one"

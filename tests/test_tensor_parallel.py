@@ -8,6 +8,7 @@ with expert parallelism folded over the tensor ranks, then its checkpoint resume
 sequence parallelism and ep=4, each equal to the one-process run."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -17,7 +18,7 @@ from safetensors.numpy import load_file
 from parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli, run_workers
-from tests.test_training import SHORT, sets
+from tests.test_training import SHORT, metrics, sets
 
 CASES = {"seeded init", "column", "column gather_output", "column sequence_parallel", "row", "row sequence_parallel",
          "mlp column->row", "mlp column->row sequence_parallel", "embedding", "embedding sequence_parallel",
@@ -55,12 +56,15 @@ def test_shards_of_a_full_weight():
         VocabParallelEmbedding.shard_of(full, 3, 0)
 
 
-def test_tensor_parallel_training_matches_one_process_and_reshards(tmp_path, one_process_tiny):
-    """Four processes at tp=2 x dp=2 x ep=2 (the EP group is the tensor-parallel pair) train the one-process run's
-    steps 1-2: the same losses and gradient norms, and precision.compare finds no divergence in their tensor dumps
-    (activations of the global batch, every weight's gradient and Adam moments put back together); each rank's
-    checkpoint holds its slices. The checkpoint then resumes at tp=1 x ep=1 (one process) and at tp=4 with sequence
-    parallelism and ep=4 (4 processes), both continuing the one-process losses at step 3."""
+def test_tensor_and_expert_parallel_training_matches_one_process_and_reshards(tmp_path, one_process_tiny):
+    """Four processes at tp=2 x dp=2 x ep=4, the EP group all four ranks as 2 nodes x 2 devices with the
+    hierarchical dispatcher, train the one-process run's steps 1-2: the same losses and gradient norms, and
+    precision.compare finds no divergence in their tensor dumps (activations of the global batch, every weight's
+    gradient and Adam moments put back together); each rank's checkpoint holds its slices at their offsets and as
+    many parameters as --dry-run states; the hierarchical scheme's logged inter-node traffic is below the flat one's.
+    The checkpoint then resumes at tp=1 x ep=1 (one process) and at tp=4 with sequence parallelism x ep=2 (4
+    processes), both continuing the one-process losses at step 3. (The 30-step runs in the README add tp=2 x ep=2
+    resumed at tp=1 and tp=4.)"""
     one, tp2, tp1, tp4 = one_process_tiny, tmp_path / "tp2", tmp_path / "tp1", tmp_path / "tp4"
     common = [*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}"]
 
@@ -69,27 +73,39 @@ def test_tensor_parallel_training_matches_one_process_and_reshards(tmp_path, one
                            *(["--resume"] if resume else []), *sets(*common, *assignments), cluster_time_out=90)
         assert proc.returncode == 0, logs
 
-    msrun_train("tp2", "training.train_steps=2", "training.dump_steps=1-2", "parallel_config.model_parallel=2",
-                "parallel_config.data_parallel=2", "parallel_config.expert_parallel=2", f"output_dir={tp2}")
-    assert_losses_match(one, tp2, (1, 2), "tp=2 x dp=2 x ep=2")
+    layout = ["parallel_config.model_parallel=2", "parallel_config.data_parallel=2", "parallel_config.expert_parallel=4",
+              "parallel_config.devices_per_node=2", "model.moe_token_dispatcher_type=hierarchical"]
+    msrun_train("tp2", "training.train_steps=2", "training.dump_steps=1-2", *layout, f"output_dir={tp2}")
+    assert_losses_match(one, tp2, (1, 2), "tp=2 x dp=2 x ep=4 hierarchical")
     assert_no_divergence(one, tp2)
+    dry = run_cli("run_train.py", "--recipe", "tiny", "--dry-run", *sets(*common, *layout))
+    stated = re.search(r"parameters per device \(stage 0\): ([\d,]+), of them ([\d,]+) in routed experts", dry.stdout)
+    total, experts = (int(x.replace(",", "")) for x in stated.groups())
     full = load_file(str(one / "checkpoints" / "rank_0" / "step_00000002" / "weights.safetensors"))
     for rank in range(4):
         held = load_file(str(tp2 / "checkpoints" / f"rank_{rank}" / "step_00000002" / "weights.safetensors"))
         assert held.keys() == full.keys()
-        # its slices, at its offsets: the tp index is rank % 2, and the EP group folds over the tensor-parallel
-        # ranks, so the EP index is too (two Adam steps apart from the one-process run's by rounding only)
-        part = rank % 2
-        for name, axis in (("layers.1.self_attn.q_b_proj.weight", 0), ("layers.1.self_attn.o_proj.weight", 1),
-                           ("embed_tokens.weight", 0), ("layers.1.mlp.experts.w1", 0)):
+        trained = {n: v.size for n, v in held.items() if not n.startswith(("adam_", "global_step", "learning_rate"))
+                   and not n.endswith("expert_bias")}
+        assert sum(v for n, v in trained.items() if ".experts." in n) == experts, rank
+        assert sum(trained.values()) == total, rank
+        # its slices, at its offsets: tp index rank % 2; the EP group folds over the tp x dp ranks, EP index = rank
+        # (two Adam steps apart from the one-process run's by rounding only)
+        for name, axis, parts, part in (("layers.1.self_attn.q_b_proj.weight", 0, 2, rank % 2),
+                                        ("layers.1.self_attn.o_proj.weight", 1, 2, rank % 2),
+                                        ("embed_tokens.weight", 0, 2, rank % 2),
+                                        ("layers.1.mlp.experts.w1", 0, 4, rank)):
             n = held[name].shape[axis]
-            assert n * 2 == full[name].shape[axis], name
+            assert n * parts == full[name].shape[axis], name
             mine = np.take(full[name], np.arange(part * n, (part + 1) * n), axis=axis)
             # AdamW moves a weight by at most about lr per step (both steps: 2e-4 in all), so a rounding-level
             # gradient difference can move an element by twice that; a slice at a wrong offset differs by the
             # weights' own size (std 0.02) nearly everywhere
             diff = np.abs(held[name] - mine)
             assert diff.max() < 4e-4 and np.mean(diff < 1e-6) > 0.999, (rank, name, diff.max())
+    traffic = metrics(tp2)[2]
+    assert traffic["ep_inter_node_bytes_hierarchical"] < traffic["ep_inter_node_bytes_flat"], traffic
+    assert traffic["ep_intra_node_bytes_flat"] > 0
 
     shutil.copytree(tp2, tp1)
     proc = run_cli("run_train.py", "--recipe", "tiny", "--resume", *sets(*common, "training.train_steps=3",
@@ -99,6 +115,6 @@ def test_tensor_parallel_training_matches_one_process_and_reshards(tmp_path, one
 
     shutil.copytree(tp2, tp4)
     msrun_train("tp4", "training.train_steps=3", "parallel_config.model_parallel=4",
-                "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=4", f"output_dir={tp4}",
+                "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=2", f"output_dir={tp4}",
                 resume=True)
-    assert_losses_match(one, tp4, (3,), "resumed at tp=4 with sequence parallelism x ep=4")
+    assert_losses_match(one, tp4, (3,), "resumed at tp=4 with sequence parallelism x ep=2")
