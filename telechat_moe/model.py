@@ -120,11 +120,12 @@ class TeleChatMoE(nn.Cell):
         return out
 
     def partial_over_tp(self, name: str) -> bool:
-        """Whether the replicated weight `name` gets only this rank's share of its gradient (summed over tp by the
-        trainer): under sequence parallelism every replicated weight (they see sequence shards or sit inside a
-        region), otherwise those inside a region (INSIDE_REGIONS); a weight replicated outside any region sees the
-        same tensors on every rank and gets the whole gradient."""
-        if self.tp.tp == 1 or name in self.tp_split_axes():
+        """Whether the replicated weight `name` (not one of tp_split_axes(), not a routed expert) gets only this
+        rank's share of its gradient (summed over tp by the trainer): under sequence parallelism every replicated
+        weight (they see sequence shards or sit inside a region), otherwise those inside a region
+        (INSIDE_REGIONS); a weight replicated outside any region sees the same tensors on every rank and gets the
+        whole gradient."""
+        if self.tp.tp == 1:
             return False
         return self.tp.sp or any(part in f".{name}" for part in INSIDE_REGIONS)
 

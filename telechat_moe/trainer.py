@@ -67,10 +67,11 @@ class ForwardBackward(nn.Cell):
 REPLICATED, PARTIAL, TP_SHARD, EXPERT = 0, 1, 2, 3
 
 
-def gradient_kind(name: str, model: TeleChatMoE) -> int:
+def gradient_kind(name: str, model: TeleChatMoE, tp_axes: dict[str, int]) -> int:
+    """`tp_axes`: the model's tp_split_axes(), walked once by the caller for all its weights."""
     if is_routed_expert(name):
         return EXPERT
-    if name in model.tp_split_axes():
+    if name in tp_axes:
         return TP_SHARD
     return PARTIAL if model.partial_over_tp(name) else REPLICATED
 
@@ -309,7 +310,7 @@ class Trainer:
         self.forward_backward = ForwardBackward(self.model, self.weights)
         self.groups = GradientGroups.of(recipe.layout, rank, device)
         self._tp_axes = self.model.tp_split_axes()
-        kinds = tuple(gradient_kind(w.name, self.model) for w in self.weights)
+        kinds = tuple(gradient_kind(w.name, self.model, self._tp_axes) for w in self.weights)
         self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, kinds, p.data_parallel,
                                                                            o.grad_clip, self.groups),
                                     self.optimizer, p.micro_batch_num)
@@ -392,15 +393,15 @@ class Trainer:
         self.dumper.write(step, records)
 
     def _whole(self, name: str, tensor):
-        value = Tensor(tensor.asnumpy())     # a value: moments are Parameters
         axis = self._tp_axes.get(name)
         if axis is not None:
+            value = Tensor(tensor.asnumpy())     # a value: moments are Parameters
             if axis == 0:
                 return self.groups.tp.all_gather(value)
             return ops.swapaxes(self.groups.tp.all_gather(ops.swapaxes(value, 0, axis)), 0, axis)
         if self.ep.ep == 1 or not is_routed_expert(name):
             return tensor
-        return self.groups.ep.all_gather(value)
+        return self.groups.ep.all_gather(Tensor(tensor.asnumpy()))
 
     def _shards(self) -> dict:
         """The slices this rank checkpoints: routed experts along dim 0 over the EP group, tensor-parallel weights

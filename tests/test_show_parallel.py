@@ -116,7 +116,8 @@ def built_and_run(recipe):
 
     _, grads = ms.value_and_grad(loss, None, weights)(*args)
     backward_end = len(log)
-    kinds = tuple(gradient_kind(w.name, model) for w in weights)
+    axes = model.tp_split_axes()
+    kinds = tuple(gradient_kind(w.name, model, axes) for w in weights)
     prepare = PrepareGradients(weights, kinds, lay.dp, 1.0, GradientGroups(t["dp"], t["edp"], t["ep"], t["tp"]))
     prepare(grads, Tensor(1.0, ms.float32))
     cut = forward_end[0]

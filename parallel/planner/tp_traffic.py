@@ -66,18 +66,21 @@ def region_entry(s, b, t, h, sp: bool, width=None, dtype: str = COMPUTE, what: s
                          f"{what} (CopyToGroup): sum of the input gradient"),)
 
 
-def row_parallel_exit(s, b, t, h, sp: bool):
-    """RowParallelLinear's output (compute dtype): reduce-scatter of the partial sums over the sequence (backward:
-    all-gather of the output gradient), or their all-reduce."""
+def _sum_over_ranks(s, b, t, h, sp: bool, dtype, what: str, parts: str):
+    """A layer whose ranks' outputs are partial and summed (dtype `dtype`): reduce-scatter over the sequence
+    (backward: all-gather of the output gradient), or all-reduce."""
     if not _active(t):
         return ()
     if sp:
-        return (TPCollective("forward", "reduce_scatter", (s, b, h), COMPUTE,
-                             "RowParallelLinear: reduce-scatter of the partial sums"),
-                TPCollective("backward", "all_gather", (_share(s, t), b, h), COMPUTE,
-                             "RowParallelLinear: all-gather of the output gradient"))
-    return (TPCollective("forward", "all_reduce", (b, s, h), COMPUTE,
-                         "RowParallelLinear: all-reduce of the partial sums"),)
+        return (TPCollective("forward", "reduce_scatter", (s, b, h), dtype, f"{what}: reduce-scatter of {parts}"),
+                TPCollective("backward", "all_gather", (_share(s, t), b, h), dtype,
+                             f"{what}: all-gather of the output gradient"))
+    return (TPCollective("forward", "all_reduce", (b, s, h), dtype, f"{what}: all-reduce of {parts}"),)
+
+
+def row_parallel_exit(s, b, t, h, sp: bool):
+    """RowParallelLinear's output (compute dtype): its partial sums summed over the ranks."""
+    return _sum_over_ranks(s, b, t, h, sp, COMPUTE, "RowParallelLinear", "the partial sums")
 
 
 def region(s, b, t, h, sp: bool):
@@ -86,17 +89,8 @@ def region(s, b, t, h, sp: bool):
 
 
 def embedding_lookup(s, b, t, h, sp: bool):
-    """VocabParallelEmbedding (residual dtype): reduce-scatter of the ranks' rows over the sequence (backward:
-    all-gather of the output gradient), or their all-reduce."""
-    if not _active(t):
-        return ()
-    if sp:
-        return (TPCollective("forward", "reduce_scatter", (s, b, h), RESIDUAL,
-                             "VocabParallelEmbedding: reduce-scatter of the ranks' rows"),
-                TPCollective("backward", "all_gather", (_share(s, t), b, h), RESIDUAL,
-                             "VocabParallelEmbedding: all-gather of the output gradient"))
-    return (TPCollective("forward", "all_reduce", (b, s, h), RESIDUAL,
-                         "VocabParallelEmbedding: all-reduce of the ranks' rows"),)
+    """VocabParallelEmbedding (residual dtype): the ranks' rows (zeros for tokens they do not hold) summed."""
+    return _sum_over_ranks(s, b, t, h, sp, RESIDUAL, "VocabParallelEmbedding", "the ranks' rows")
 
 
 def cross_entropy(s, b, t):

@@ -56,12 +56,12 @@ def _tp_of(transport) -> tuple[int, int]:
     return transport.group.size, transport.group.index
 
 
-def _seq_first(x):
+def seq_first(x):
     """[b, s, h] -> [s, b, h] (and back: the same permutation)."""
     return ops.transpose(x, (1, 0, 2))
 
 
-class _GatherReplicated(nn.Cell):
+class GatherReplicated(nn.Cell):
     """Megatron's gather_from_tensor_model_parallel_region: all-gather (axis 0) whose result every member then uses
     alike, so the backward keeps this member's slice of the (replicated) gradient and sums nothing. (`parallel.comm`'s
     GatherFromGroup reduce-scatters in its backward: right when members consume the gathered tensor differently, as a
@@ -148,13 +148,13 @@ class ColumnParallelLinear(_ShardedLinear):
         self.input_ready = input_ready
         self.copy = CopyToGroup(tp_transport)
         self.seq_gather = GatherFromGroup(tp_transport)
-        self.out_gather = _GatherReplicated(tp_transport)
+        self.out_gather = GatherReplicated(tp_transport)
 
     def construct(self, x):
         if not self.input_ready:
             x = x.astype(self.compute_dtype)      # the collective moves what the matmul takes
             if self.sequence_parallel:
-                x = _seq_first(self.seq_gather(_seq_first(x)))
+                x = seq_first(self.seq_gather(seq_first(x)))
             else:
                 x = self.copy(x)
         y = self._local(x)
@@ -187,7 +187,7 @@ class RowParallelLinear(_ShardedLinear):
     def construct(self, x):
         y = self._local(x)
         if self.sequence_parallel:
-            return _seq_first(self.seq_scatter(_seq_first(y)))
+            return seq_first(self.seq_scatter(seq_first(y)))
         return self.reduce(y)
 
 
@@ -233,7 +233,7 @@ class VocabParallelEmbedding(nn.Cell):
         rows = ops.gather(self.weight, local, 0)
         rows = rows * ops.logical_not(outside).astype(rows.dtype).expand_dims(-1)
         if self.sequence_parallel:
-            return _seq_first(self.seq_scatter(_seq_first(rows)))
+            return seq_first(self.seq_scatter(seq_first(rows)))
         return self.reduce(rows)
 
 

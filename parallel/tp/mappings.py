@@ -21,6 +21,7 @@ from mindspore import nn, ops
 
 from parallel.comm import CopyToGroup, GatherFromGroup, ProcessGroups, transport_for
 from parallel.layout import Axis, ParallelLayout
+from parallel.tp.layers import GatherReplicated, seq_first
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,6 @@ class TensorParallel:
         return size // self.tp
 
 
-def _seq_first(x):
-    return ops.transpose(x, (1, 0, 2))
-
-
 class GatherSequence(nn.Cell):
     """[b, s/tp, h] -> [b, s, h] for ranks that then compute different shards: all-gather of the sequence, whose
     backward reduce-scatters (sums the ranks' partial gradients and keeps this rank's positions)."""
@@ -58,7 +55,7 @@ class GatherSequence(nn.Cell):
         self.gather = GatherFromGroup(tp.transport)
 
     def construct(self, x):
-        return _seq_first(self.gather(_seq_first(x)))
+        return seq_first(self.gather(seq_first(x)))
 
 
 class SplitSequence(nn.Cell):
@@ -74,23 +71,19 @@ class SplitSequence(nn.Cell):
         return x[:, self.me * n:(self.me + 1) * n]
 
     def bprop(self, x, out, dout):
-        return (_seq_first(self.t.all_gather(_seq_first(dout))),)
+        return (seq_first(self.t.all_gather(seq_first(dout))),)
 
 
 class GatherSequenceReplicated(nn.Cell):
-    """[b, s/tp, h] -> [b, s, h] that every rank then uses alike (the inverse of SplitSequence): all-gather; the
-    backward keeps this rank's positions of the (replicated) gradient, no collective."""
+    """[b, s/tp, h] -> [b, s, h] that every rank then uses alike (the inverse of SplitSequence): `GatherReplicated`
+    over the sequence (its backward keeps this rank's positions of the replicated gradient, no collective)."""
 
     def __init__(self, tp: TensorParallel):
         super().__init__()
-        self.t, self.me = tp.transport, tp.index
+        self.gather = GatherReplicated(tp.transport)
 
     def construct(self, x):
-        return _seq_first(self.t.all_gather(_seq_first(x)))
-
-    def bprop(self, x, out, dout):
-        n = x.shape[1]
-        return (dout[:, self.me * n:(self.me + 1) * n],)
+        return seq_first(self.gather(seq_first(x)))
 
 
 class EnterRegion(nn.Cell):
