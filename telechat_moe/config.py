@@ -18,6 +18,7 @@ from telechat_moe.errors import require
 
 # The planner prices all three schemes; training builds only the local one (telechat_moe/moe/dispatch.py).
 DISPATCHERS = ("local", "alltoall", "hierarchical")
+DROP_POLICIES = ("probs", "position")       # parallel/ep/capacity.drop_over_capacity
 
 
 @dataclass
@@ -74,6 +75,11 @@ class ModelConfig:
     # experts on every rank, expert_parallel=1 only); at expert_parallel=1 every kind is the one-device dispatcher
     moe_token_dispatcher_type: str = "alltoall"
     moe_comm_chunks: int = 1                  # token slices whose exchanges can overlap other slices' experts
+    # dropless when unset; c: an expert takes at most ceil(c * T * k / E) of the copies routed from a rank's T tokens
+    # (per token slice), the rest dropped by moe_token_drop_policy (probs: lowest weights; position: latest tokens).
+    # It bounds the dispatchers' static buffers (parallel/ep/capacity.py); which copies drop depends on the layout.
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
 
     # Multi-token prediction
     num_nextn_predict_layers: int = 1
@@ -171,6 +177,14 @@ class ModelConfig:
         require(self.max_position_embeddings >= self.seq_length or self.yarn_enabled,
                  f"model.seq_length: {self.seq_length} exceeds max_position_embeddings="
                  f"{self.max_position_embeddings} without YaRN (rotary_scaling_factor > 1)")
+        require(self.moe_expert_capacity_factor is None or (
+            isinstance(self.moe_expert_capacity_factor, (int, float)) and not isinstance(
+                self.moe_expert_capacity_factor, bool) and self.moe_expert_capacity_factor > 0),
+                f"model.moe_expert_capacity_factor: expected a positive number or null (dropless), "
+                f"got {self.moe_expert_capacity_factor!r}")
+        require(self.moe_token_drop_policy in DROP_POLICIES,
+                f"model.moe_token_drop_policy: expected one of {', '.join(DROP_POLICIES)}, "
+                f"got {self.moe_token_drop_policy!r}")
         require(self.mtp_loss_factor >= 0, f"model.mtp_loss_factor: expected >= 0, got {self.mtp_loss_factor}")
         require(self.moe_device_aux_loss_coeff >= 0,
                  f"model.moe_device_aux_loss_coeff: expected >= 0, got {self.moe_device_aux_loss_coeff}")
@@ -195,7 +209,8 @@ class ModelConfig:
             num_shared_experts=self.n_shared_experts, top_k=self.num_experts_per_tok,
             mtp_depth=self.num_nextn_predict_layers, seq_length=self.seq_length, qk_layernorm=self.qk_layernorm,
             tie_embeddings=self.tie_word_embeddings, topk_group=self.topk_group if self.n_group else 0,
-            device_aux_loss=self.moe_device_aux_loss_coeff > 0, z_loss=self.moe_z_loss_coeff > 0)
+            device_aux_loss=self.moe_device_aux_loss_coeff > 0, z_loss=self.moe_z_loss_coeff > 0,
+            expert_capacity_factor=self.moe_expert_capacity_factor)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

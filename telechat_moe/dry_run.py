@@ -1,6 +1,7 @@
 """What a recipe costs before anything is allocated: parameters, FLOPs per token, memory per device."""
 from __future__ import annotations
 
+from parallel.ep.capacity import expert_capacity, rows_per_destination
 from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
 from telechat_moe.recipe import Recipe
 
@@ -41,7 +42,29 @@ def report(r: Recipe) -> str:
               f"  gradients  {mem['grads'] / GIB:10.2f} GiB",
               f"  optimizer  {mem['optimizer'] / GIB:10.2f} GiB",
               f"  total      {mem['total'] / GIB:10.2f} GiB (activations come on top)"]
+    if r.layout.ep > 1:
+        lines.append(exchange_line(r))
     return "\n".join(lines)
+
+
+def exchange_line(r: Recipe) -> str:
+    """The expert exchange's static buffer against the routed copies it carries (parallel/ep/capacity.py)."""
+    from telechat_moe.parallel_report import group_sizes
+    m, lay = r.model, r.layout
+    k, E, cf = m.num_experts_per_tok, m.n_routed_experts, m.moe_expert_capacity_factor
+    tokens = r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // lay.tp \
+        // m.moe_comm_chunks
+    sizes = group_sizes(lay, m.moe_token_dispatcher_type)
+    hierarchical = m.moe_token_dispatcher_type == "hierarchical"
+    sources, group = (sizes["ep_inter"], sizes["ep_node"]) if hierarchical else (1, sizes["ep"])
+    per_expert = None if cf is None else sources * expert_capacity(tokens, k, E, cf)
+    rows = group * int(rows_per_destination(sources * tokens, k, E // sources // group, per_expert))
+    how = "dropless" if cf is None else f"capacity factor {cf}"
+    line = (f"expert exchange ({m.moe_token_dispatcher_type}, {how}): {rows:,} rows sent per rank, MoE layer and "
+            f"token slice for {sources * tokens * k:,} routed copies ({rows / (sources * tokens * k):.1f}x)")
+    if cf is None and rows > 2 * sources * tokens * k:
+        line += "; model.moe_expert_capacity_factor bounds it (copies over an expert's capacity are dropped)"
+    return line
 
 
 def show_parallel(r: Recipe) -> str:

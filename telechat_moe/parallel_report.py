@@ -49,6 +49,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from math import prod
 
+from parallel.ep.capacity import expert_capacity, rows_per_destination
 from parallel.planner import tp_traffic
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
@@ -294,20 +295,23 @@ class _Rank:
         self.add(m, split[1:])
         self.swiglu(f"{m}.shared_experts", cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts)
 
-    def exchange(self, where: str, group: str, rows: int, experts: int):
-        """_ExpertExchange over `group`: the capacity-padded AllToAllV of the token copies (+ the local expert as a
-        column) and of the counts, the combine AllToAll of the results; their backward all-to-alls."""
+    def exchange(self, where: str, group: str, rows: int, experts: int, sources: int = 1):
+        """_ExpertExchange over `group`: the padded all-to-alls of the token copies (compute dtype) and of their
+        experts' tags (float32), the combine all-to-all of the results; the backward all-to-alls of both rows'
+        gradients. `rows` from `sources` ranks' tokens (parallel/ep/capacity.py sizes the buffers)."""
         cfg, h = self.cfg, self.h
-        g = self.sizes[group]
-        capacity = rows * min(cfg.num_experts_per_tok, experts // g)
-        what = f"capacity {capacity} rows per destination"
-        self.coll(where, f"AllToAllV: token copies + expert tag ({what})", "forward", "all_to_all", group,
-                  (g * capacity, h + 1), RESIDUAL)
-        self.coll(where, "AllToAllV: copy counts", "forward", "all_to_all", group, (g,), "float32")
+        g, k, cf = self.sizes[group], cfg.num_experts_per_tok, cfg.moe_expert_capacity_factor
+        per_expert = None if cf is None else sources * expert_capacity(rows // sources, k, cfg.n_routed_experts, cf)
+        capacity = int(rows_per_destination(rows, k, experts // g, per_expert))
+        what = f"{capacity} rows per destination, {'dropless' if cf is None else f'capacity factor {cf}'}"
+        self.coll(where, f"dispatch AllToAll: token copies ({what})", "forward", "all_to_all", group,
+                  (g * capacity, h), self.cdt)
+        self.coll(where, "dispatch AllToAll: each row's expert", "forward", "all_to_all", group, (g * capacity,),
+                  "float32")
         self.coll(where, "combine AllToAll: expert outputs", "forward", "all_to_all", group, (g * capacity, h),
                   self.cdt)
-        self.coll(where, "AllToAllV backward: token copies' gradient", "backward", "all_to_all", group,
-                  (g * capacity, h + 1), RESIDUAL)
+        self.coll(where, "dispatch AllToAll backward: token copies' gradient", "backward", "all_to_all", group,
+                  (g * capacity, h), self.cdt)
         self.coll(where, "combine AllToAll backward: outputs' gradient", "backward", "all_to_all", group,
                   (g * capacity, h), self.cdt)
 
@@ -321,7 +325,7 @@ class _Rank:
                   "ep_inter", (n * rows, h + 2 * k), RESIDUAL)
         self.coll(where, "hierarchical backward: rows' gradient from the nodes", "backward", "all_to_all", "ep_inter",
                   (n * rows, h + 2 * k), RESIDUAL)
-        self.exchange(where, "ep_node", n * rows, E // n)
+        self.exchange(where, "ep_node", n * rows, E // n, n)
         self.coll(where, "hierarchical: per-node sums back", "forward", "all_to_all", "ep_inter", (n * rows, h),
                   self.cdt)
         self.coll(where, "hierarchical backward: sums' gradient", "backward", "all_to_all", "ep_inter",
@@ -466,8 +470,8 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     weights' partial gradients and the norm's scalar, ep the norm's scalar). The planner assumes sequence
     parallelism whenever tp > 1. Every group is priced inside one node (so that the seconds are ring bytes): a
     hierarchical EP scheme is priced flat. The tensor-parallel and step figures equal model_volumes' for a
-    sequence-parallel layout (both come from parallel/planner/tp_traffic.py); the EP all-to-alls do not: the
-    planner prices T/tp x top-k rows each way, the dispatcher sends capacity-padded buffers (not priced)."""
+    sequence-parallel layout (both come from parallel/planner/tp_traffic.py), and so do the EP all-to-alls (the
+    padded buffers of parallel/ep/capacity.py: the planner's padded_exchange)."""
     import dataclasses
     import numpy as np
     from parallel.layout import RECOMPUTE
@@ -487,13 +491,14 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
                           grad_bytes=4, residual_bytes=DTYPE_BYTES[RESIDUAL])
     shape = dataclasses.replace(cfg.to_model_shape(), seq_length=seq)
     global_batch = batch * layout.dp * layout.micro_batch_num
-    w = Workload(shape, cluster, layout.world_size, seq, global_batch, precision, overlap_grad_reduce=False)
+    w = Workload(shape, cluster, layout.world_size, seq, global_batch, precision, overlap_grad_reduce=False,
+                 padded_exchange=True)
     scheme = "hierarchical" if cfg.moe_token_dispatcher_type == "hierarchical" else "flat"
     lay = Layouts.of(dataclasses.replace(layout, micro_batch_size=batch, recompute=recompute, ep_overlap=False,
                                          ep_scheme=scheme, devices_per_node=cluster.devices_per_node))
     b = block_costs(w, lay)
     mode = RECOMPUTE.index(recompute)
-    ep_moe = float(_Costing(w, lay).ep_all_to_all()[0])
+    ep_moe = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), _Costing(w, lay).ep_all_to_all())}
     redo = 2 if recompute == "full" else 1      # full recompute runs each layer's forward again in its backward
 
     def comm(block, direction):
@@ -505,8 +510,10 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     for direction in ("forward", "backward"):
         times = redo if direction == "backward" else 1
         out[("dense_layer", "tp", direction)] = comm(b.dense, direction)
-        out[("moe_layer", "tp", direction)] = comm(b.moe, direction) - times * ep_moe
-        out[("moe_layer", "ep", direction)] = times * ep_moe
+        # full recompute: the backward repeats the forward's exchanges
+        ep_moe_dir = ep_moe[direction] + (times - 1) * ep_moe["forward"]
+        out[("moe_layer", "tp", direction)] = comm(b.moe, direction) - ep_moe_dir
+        out[("moe_layer", "ep", direction)] = ep_moe_dir
         out[("embedding", "tp", direction)] = comm(b.embedding, direction)
         out[("head", "tp", direction)] = comm(b.head, direction)
         out[("mtp_extra", "tp", direction)] = comm(b.mtp, direction) - comm(b.moe, direction) - comm(b.head,

@@ -23,7 +23,7 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
                     global_batch: int | None = None, dtype: str | None = None) -> Workload:
     """The recipe's model on `devices` of `cluster` (a name, a YAML path or a loaded Cluster). Unset arguments take
     the recipe's own: its layout's device count, model.seq_length, training.global_batch_size, and GEMMs in
-    model.compute_dtype."""
+    model.compute_dtype. Its expert exchanges are this project's dispatchers' padded buffers."""
     if not isinstance(cluster, Cluster):
         try:
             cluster = load_cluster(cluster)
@@ -40,7 +40,7 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
     shape = dataclasses.replace(recipe.model.to_model_shape(), seq_length=seq)
     return Workload(shape, cluster, devices or recipe.layout.world_size, seq,
                     global_batch or recipe.training.global_batch_size, precision,
-                    shard_optimizer=recipe.parallel_config.optimizer_shard)
+                    shard_optimizer=recipe.parallel_config.optimizer_shard, padded_exchange=True)
 
 
 def recipe_ep_scheme(recipe) -> str:

@@ -10,7 +10,6 @@ Each Cell wraps one transport (one group). Forward and backward are each one col
 | `GatherFromGroup` | all-gather (axis 0) | reduce-scatter | sequence-parallel input of a column-parallel layer |
 | `ReduceScatterToGroup` | reduce-scatter (axis 0) | all-gather | sequence-parallel output of a row-parallel layer |
 | `AllToAll` | all-to-all (axis 0) | all-to-all | expert dispatch and combine |
-| `AllToAllV` | all-to-all of capacity-padded chunks and of their counts | all-to-all | dropless expert dispatch |
 | `Broadcast` | root's value to all | sum to the root | replicated state |
 
 The gradient conventions are those of a sum of the members' losses: the backward of an all-gather sums, at each
@@ -76,22 +75,6 @@ class AllToAll(_Collective):
 
     def bprop(self, x, out, dout):
         return (self.t.all_to_all(dout),)
-
-
-class AllToAllV(_Collective):
-    """Dropless exchange with per-destination counts in a static-shape graph: `x` [g * capacity, ...] holds
-    `counts[j]` valid rows for rank j at rows [j*capacity, j*capacity + counts[j]) (the rest padding); returns the
-    received rows in the same layout (rows from rank j at [j*capacity, ...)) and the received counts [g]. The
-    capacity is the most any source can send one destination, so no token is ever dropped; the padding moves too
-    (graph mode on MindSpore needs static shapes), and only valid rows carry gradients."""
-
-    def construct(self, x, counts):
-        received = self.t.all_to_all(x)
-        recv_counts = self.t.all_to_all(counts.astype(ms.float32)).astype(counts.dtype)
-        return received, ops.stop_gradient(recv_counts)
-
-    def bprop(self, x, counts, out, dout):
-        return self.t.all_to_all(dout[0]), ops.zeros_like(counts)
 
 
 class Broadcast(_Collective):

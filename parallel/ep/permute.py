@@ -1,6 +1,7 @@
-"""Token permutation by expert: the order every dispatcher sorts routed token copies into, and each expert's group
-size. Pure functions of the routing, shared by the model's dispatchers and the alignment harness's expert-parallel
-emulation, so both permute identically."""
+"""Token permutation by expert: the order every dispatcher sorts routed token copies into, each expert's group
+size, and the drop of copies beyond an expert's capacity (`capacity.py` sizes it). Pure functions of the routing,
+shared by the model's dispatchers and the alignment harness's expert-parallel emulation, so both permute
+identically."""
 from __future__ import annotations
 
 import mindspore as ms
@@ -18,3 +19,24 @@ def expert_group_sizes(flat_expert, num_experts: int):
     """int32 [E]: how many of the dispatched rows go to each expert (constant under the gradient)."""
     sizes = ops.one_hot(flat_expert, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(0)
     return ops.stop_gradient(sizes).astype(ms.int32)
+
+
+def drop_over_capacity(indices, weights, num_experts: int, capacity: int, policy: str):
+    """The routing [T, k] with every copy beyond its expert's `capacity` dropped (expert -1, weight 0): `probs`
+    keeps each expert's highest-weight copies, `position` its earliest (token order); Megatron's drop policies.
+    Exactly `capacity` at most per expert (ties in weight broken by the sort, alike on every backend's run)."""
+    t, k = indices.shape
+    n = t * k
+    flat = indices.reshape(-1)
+    position = ops.arange(0, n, dtype=ms.int32)
+    if policy == "probs":
+        priority = ops.argsort(ops.sort(weights.reshape(-1).astype(ms.float32), descending=True)[1]).astype(ms.int32)
+    else:
+        priority = position
+    order = ops.sort(flat * n + priority)[1]                 # by expert, then by priority
+    sizes = expert_group_sizes(flat, num_experts)
+    start = ops.cumsum(sizes, 0) - sizes
+    rank = position - ops.gather(start, ops.gather(flat, order, 0), 0)   # place in its expert's queue, sorted
+    keep = ops.gather(rank < capacity, ops.argsort(order), 0)
+    keep = ops.stop_gradient(keep).reshape(t, k)
+    return ops.where(keep, indices, -1), ops.where(keep, weights, ops.zeros_like(weights))

@@ -46,6 +46,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from parallel.ep.capacity import expert_capacity, rows_per_destination
 from parallel.layout import EP_SCHEMES, RECOMPUTE, ParallelLayout
 from parallel.planner import tp_traffic
 from parallel.planner.cluster import Cluster
@@ -75,6 +76,9 @@ class Workload:
     precision: Precision = Precision()
     shard_optimizer: bool = True
     overlap_grad_reduce: bool = True  # DP reduce-scatter / all-gather hidden behind the last backward / first forward
+    # the EP exchanges move static padded buffers, as this project's dispatchers do (parallel/ep/capacity.py), not
+    # exactly the routed copies (a variable-size all-to-all: Megatron's dropless dispatcher, DeepEP)
+    padded_exchange: bool = False
 
 
 @dataclass
@@ -276,28 +280,62 @@ class _Costing:
         act_sel = ab * tokens * (h + 2 * inter_per_device)  # fc1 input and output; SwiGLU output recomputed
         return f1 + f2 + elementwise, b1 + b2 + 2 * elementwise, elementwise, act_sel + ab * tokens * inter_per_device, act_sel
 
-    def ep_all_to_all(self):
-        """Seconds of one EP dispatch (in `dispatch_bytes`) plus one combine (in activation bytes), one direction
-        of the pass, including the gather / reduce-scatter over expert tensor parallelism."""
-        s, h = self.s, self.s.hidden_size
+    def ep_copies(self):
+        """(rows of one flat EP exchange's send buffer, those of the hierarchical in-node exchange) a device sends
+        per micro-batch: this project's static buffers (parallel/ep/capacity.py: dropless worst case, or the
+        experts' capacity) under padded_exchange, else the routed copies T/tp x k themselves."""
+        s, k, E = self.s, self.s.top_k, self.s.num_routed_experts
         nodes, local = self.group_span(self.ep, self.etp)
-        total = 0.0
-        for nbytes in (self.w.precision.dispatch_bytes or self.ab, self.ab):
-            send = self.Tl * s.top_k * h * nbytes
-            flat = self.all_to_all(send, self.ep, self.etp)
-            # all-gather across nodes among devices with the same local index, then all-to-all inside the node
-            hier = self.all_gather(nodes * self.Tl * h * nbytes, nodes, self.dpn) + self.all_to_all(send, local, self.etp)
-            # each token crosses to each distinct destination node once, then is forwarded inside the node
-            distinct = nodes * (1 - (1 - 1 / nodes) ** s.top_k)
-            if s.topk_group:
-                distinct = np.minimum(distinct, s.topk_group)
-            cross = self.Tl * h * nbytes * distinct * (nodes - 1) / nodes
-            dedup = (np.maximum(cross / self.inter_bw, send * (local - 1) / local / self.intra_bw)
-                     + self.c.inter_latency + self.c.intra_latency)
-            scheme = self.lay.ep_scheme
-            total = total + np.where(nodes > 1, np.select([scheme == 1, scheme == 2], [hier, dedup], flat), flat)
-            total = total + self.all_gather(self.Tl * s.top_k * self.etp * h * nbytes, self.etp)
-        return total
+        if not self.w.padded_exchange:
+            return self.Tl * k, self.Tl * k
+        cf = s.expert_capacity_factor
+        per_expert = None if cf is None else expert_capacity(self.Tl, k, E, cf)
+        flat = self.ep * rows_per_destination(self.Tl, k, E / self.ep, per_expert)
+        inner = local * rows_per_destination(nodes * self.Tl, k, E / self.ep,
+                                             None if cf is None else nodes * per_expert)
+        return flat, inner
+
+    def ep_all_to_all(self):
+        """(forward, backward) seconds of one EP dispatch (token rows in `dispatch_bytes`) plus one combine (in
+        activation bytes), including the gather / reduce-scatter over expert tensor parallelism. Padded buffers
+        also carry each row's expert as a float32 tag, forward only. Hierarchical: the rows cross to every node
+        (with their experts and weights in the residual dtype there, the sums back in activation bytes), then an
+        in-node exchange."""
+        s, h, k = self.s, self.s.hidden_size, self.s.top_k
+        nodes, local = self.group_span(self.ep, self.etp)
+        flat_rows, inner_rows = self.ep_copies()
+        padded = self.w.padded_exchange
+        tag = FP32 if padded else 0.0
+        rb = float(self.w.precision.residual_bytes)
+        directions = []
+        for forward in (True, False):
+            total = 0.0
+            tags = tag if forward else 0.0
+            for leg, nbytes in (("dispatch", self.w.precision.dispatch_bytes or self.ab), ("combine", self.ab)):
+                flat = self.all_to_all(flat_rows * h * nbytes, self.ep, self.etp)
+                inner = self.all_to_all(inner_rows * h * nbytes, local, self.etp)
+                if padded:      # the model's rows to the nodes (+ experts, weights) and the nodes' sums back
+                    row = (h + 2 * k) * rb if leg == "dispatch" else h * self.ab
+                    cross = self.all_to_all(nodes * self.Tl * row, nodes, self.dpn)
+                else:           # all-gather across nodes among devices with the same local index
+                    cross = self.all_gather(nodes * self.Tl * h * nbytes, nodes, self.dpn)
+                hier = cross + inner
+                # each token crosses to each distinct destination node once, then is forwarded inside the node
+                distinct = nodes * (1 - (1 - 1 / nodes) ** k)
+                if s.topk_group:
+                    distinct = np.minimum(distinct, s.topk_group)
+                cross = self.Tl * h * nbytes * distinct * (nodes - 1) / nodes
+                dedup = (np.maximum(cross / self.inter_bw, self.Tl * k * h * nbytes * (local - 1) / local
+                                    / self.intra_bw) + self.c.inter_latency + self.c.intra_latency)
+                scheme = self.lay.ep_scheme
+                total = total + np.where(nodes > 1, np.select([scheme == 1, scheme == 2], [hier, dedup], flat), flat)
+                total = total + self.all_gather(self.Tl * k * self.etp * h * nbytes, self.etp)
+            if tags:
+                tag_flat = self.all_to_all(flat_rows * tags, self.ep, self.etp)
+                tag_hier = self.all_to_all(inner_rows * tags, local, self.etp)
+                total = total + np.where((nodes > 1) & (self.lay.ep_scheme == 1), tag_hier, tag_flat)
+            directions.append(total)
+        return tuple(directions)
 
     def dense_layer(self) -> BlockCost:
         s = self.s
@@ -330,16 +368,22 @@ class _Costing:
         routing = self.stream(FP32 * Tl * 6 * E + ab * Tl * k * h * 5 + ab * Tl * 4 * h)
         expert_fwd = e1f + e2f + e_elem + sf + rf + routing + self.ops(30)
         expert_bwd = e1b + e2b + 2 * e_elem + sb + rb + 2 * routing + self.ops(60)
-        a2a = self.ep_all_to_all()
+        a2a_f, a2a_b = self.ep_all_to_all()
         overlap = self.lay.ep_overlap == 1
-        exposed_f = np.where(overlap, np.maximum(expert_fwd, a2a) + np.minimum(expert_fwd, a2a) / 2 - expert_fwd, a2a)
-        exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a) + np.minimum(expert_bwd, a2a) / 2 - expert_bwd, a2a)
+        exposed_f = np.where(overlap, np.maximum(expert_fwd, a2a_f) + np.minimum(expert_fwd, a2a_f) / 2 - expert_fwd,
+                             a2a_f)
+        exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a_b) + np.minimum(expert_bwd, a2a_b) / 2 - expert_bwd,
+                             a2a_b)
         # around attention and around the shared expert, and the router's sums over tp
         tp_f, tp_b = self.tp_comm(tp_traffic.moe_layer(*self.sp_args(), E, s.device_aux_loss, s.z_loss))
-        expert_acts = ab * pairs * (2 * h + 2 * inter) + FP32 * Tl * E + ab * Tl * h  # in, fc1 out, out; probs
+        # the expert block's tensors have the exchange buffer's rows (padding included)
+        flat_rows, inner_rows = self.ep_copies()
+        nodes, _ = self.group_span(self.ep, self.etp)
+        held = np.where((nodes > 1) & (self.lay.ep_scheme == 1), inner_rows, flat_rows) * self.etp
+        expert_acts = ab * held * (2 * h + 2 * inter) + FP32 * Tl * E + ab * Tl * h  # in, fc1 out, out; probs
         act_sel = a_sel + s_sel + expert_acts
-        act_none = a_full + s_full + expert_acts + ab * pairs * inter + ab * Tl * h
-        transient = ab * (pairs * 2 * inter + self.T * 3 * s.shared_intermediate * s.num_shared_experts / self.tp)
+        act_none = a_full + s_full + expert_acts + ab * held * inter + ab * Tl * h
+        transient = ab * (held * 2 * inter + self.T * 3 * s.shared_intermediate * s.num_shared_experts / self.tp)
         return self._block(af + expert_fwd, tp_f + exposed_f, ab_ + expert_bwd, tp_b + exposed_b,
                            a_rsel + e_elem + s_elem + routing, af + expert_fwd, tp_f + exposed_f,
                            act_none, act_sel, transient, "moe")

@@ -40,6 +40,7 @@ class ModelShape:
     topk_group: int = 0  # group-limited routing: experts of a token in at most this many groups (0: no limit)
     device_aux_loss: bool = False  # the device-level balance loss is on (its statistics are summed over tp)
     z_loss: bool = False  # the router z-loss is on (likewise)
+    expert_capacity_factor: float | None = None  # None: dropless (parallel/ep/capacity.py)
 
     @property
     def num_moe_layers(self) -> int:

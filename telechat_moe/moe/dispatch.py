@@ -2,20 +2,22 @@
 
 Every dispatcher has the two methods of Megatron-Core's: `dispatch(x, indices, weights)` returns the token copies
 this rank's experts compute, sorted by (local) expert, with the size of each expert's group and a state;
-`combine(expert_out, state)` returns the weighted sum per token of the rank's own tokens. All three are dropless
-whatever the skew of the routing:
+`combine(expert_out, state)` returns the weighted sum per token of the rank's own tokens. All three carry every copy
+the routing gives them, whatever its skew (a copy dropped to capacity comes as expert -1 and is skipped):
 
 - `LocalDispatcher`: every expert on this device (expert_parallel=1).
 - `AllToAllDispatcher` (`alltoall`): rank r of the EP group holds experts [r*E/ep, (r+1)*E/ep); each copy goes to
-  its expert's rank in one all-to-all with per-destination counts, the results come back by the reverse one.
+  its expert's rank in one all-to-all, the results come back by the reverse one.
 - `HierarchicalDispatcher` (`hierarchical`): a token crosses to another node once per node that holds any of its
   experts (to the rank at its own position there), not once per expert; inside each node an all-to-all then moves
   the copies to their experts' ranks. Combine runs the reverse: each node sums its experts' weighted outputs of a
   token, and the token's home rank adds the nodes' sums.
 
-Graph mode needs static shapes, so exchanges move capacity-padded chunks (`parallel.comm.AllToAllV`): the capacity is
-the most copies one source can send one destination (every token of the source, each to at most min(k, experts
-there) of that destination's experts), the padding carries no gradient, and no token is ever dropped.
+Graph mode needs static shapes, so each exchange sends every destination a buffer of the same rows
+(`parallel.ep.capacity`): dropless by default (room for the most copies one source can send one destination), or,
+with `moe_expert_capacity_factor`, its experts' capacity (copies beyond an expert's capacity were dropped before
+the dispatch: `drop_over_capacity`). The token rows travel in the compute dtype (the experts compute in it), the
+local expert of each row as a float32 tag beside them (0: padding); the padding carries no gradient.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import nn, ops
 
-from parallel.comm import AllToAll, AllToAllV, ProcessGroups, transport_for
+from parallel.comm import AllToAll, ProcessGroups, transport_for
+from parallel.ep.capacity import expert_capacity, rows_per_destination
 from parallel.ep.permute import expert_group_sizes, stable_order
 from parallel.layout import Axis, ParallelLayout
 
@@ -35,13 +38,16 @@ class LocalDispatcher(nn.Cell):
         self.num_experts, self.top_k = num_experts, top_k
 
     def dispatch(self, x, indices, weights):
-        """x [T, h], indices/weights [T, k] -> (tokens [T*k, h] sorted by expert, group_sizes [E] int32, state)."""
-        flat_expert = indices.reshape(-1)
-        order = stable_order(flat_expert)
+        """x [T, h], indices/weights [T, k] (expert -1: a dropped copy, weight 0) -> (tokens [T*k, h] sorted by
+        expert, dropped copies last, group_sizes [E] int32, state)."""
+        flat = indices.reshape(-1)
+        key = ops.where(flat >= 0, flat, self.num_experts)
+        order = stable_order(key)
         token_of_sorted = order // self.top_k
         tokens = ops.gather(x, token_of_sorted, 0)
         w_sorted = ops.gather(weights.reshape(-1), order, 0)
-        return tokens, expert_group_sizes(flat_expert, self.num_experts), (token_of_sorted, w_sorted, x.shape[0])
+        sizes = expert_group_sizes(key, self.num_experts + 1)[:self.num_experts]
+        return tokens, sizes, (token_of_sorted, w_sorted, x.shape[0])
 
     def combine(self, expert_out, state):
         """expert_out [T*k, h] in dispatch order -> [T, h]."""
@@ -51,49 +57,61 @@ class LocalDispatcher(nn.Cell):
 
 
 def _slots(dest, groups: int, capacity: int):
-    """Where each row goes in a capacity-padded send buffer: destination `dest[i]` in [0, groups] (`groups` =
-    nowhere) -> slot dest*capacity + (rows before it with the same destination), `groups*capacity` for nowhere;
-    and the row count per destination [groups]."""
+    """Where each row goes in a padded send buffer: destination `dest[i]` in [0, groups] (`groups` = nowhere) ->
+    slot dest*capacity + (rows before it with the same destination), `groups*capacity` for nowhere."""
     one_hot = ops.one_hot(dest, groups + 1, ops.ones((), ms.float32), ops.zeros((), ms.float32))
     before = (ops.cumsum(one_hot, 0) * one_hot).sum(1) - 1
-    counts = one_hot.sum(0)[:groups].astype(ms.int32)
-    slot = ops.minimum(dest * capacity + before.astype(ms.int32), groups * capacity)
-    return ops.stop_gradient(slot), ops.stop_gradient(counts)
+    return ops.stop_gradient(ops.minimum(dest * capacity + before.astype(ms.int32), groups * capacity))
 
 
 class _ExpertExchange(nn.Cell):
     """One level of expert all-to-all: copies [n] of `tokens` rows, each to local expert `expert % experts_per_rank`
-    of rank `expert // experts_per_rank` in the group (expert < 0: no copy), and the weighted sums back."""
+    of rank `expert // experts_per_rank` in the group (expert < 0: no copy), and the weighted sums back.
+    `capacity_factor` (None: dropless) sizes the buffers: the rows come from `sources` ranks' tokens routed over
+    `all_experts`, whose copies were dropped to capacity at each source."""
 
-    def __init__(self, transport, experts: int, top_k: int):
+    def __init__(self, transport, experts: int, top_k: int, compute_dtype, capacity_factor=None, sources: int = 1,
+                 all_experts: int | None = None):
         super().__init__()
+        self.t = transport
         self.g = transport.group.size
         self.per_rank = experts // self.g
         self.top_k = top_k
-        self.exchange = AllToAllV(transport)
+        self.compute_dtype = compute_dtype
+        self.capacity_factor, self.sources, self.all_experts = capacity_factor, sources, all_experts or experts
+        self.exchange = AllToAll(transport)
         self.back = AllToAll(transport)
+
+    def capacity(self, rows: int) -> int:
+        if self.capacity_factor is None:
+            return rows_per_destination(rows, self.top_k, self.per_rank)
+        per_expert = self.sources * expert_capacity(rows // self.sources, self.top_k, self.all_experts,
+                                                    self.capacity_factor)
+        return int(rows_per_destination(rows, self.top_k, self.per_rank, per_expert))
 
     def dispatch(self, x, experts, weights):
         """x [R, h]; experts, weights [R, k] (experts -1 where no copy) -> (tokens for this rank's experts sorted
         by expert, group sizes [experts per rank], state)."""
         rows, h = x.shape
         k = experts.shape[1]
-        capacity = rows * min(self.top_k, self.per_rank)
+        capacity = self.capacity(rows)
         flat = experts.reshape(-1)
         valid = flat >= 0
         dest = ops.where(valid, flat // self.per_rank, self.g)
-        slot, counts = _slots(dest, self.g, capacity)
+        slot = _slots(dest, self.g, capacity)
         token = ops.arange(0, rows * k, dtype=ms.int32) // k
-        # the copy's local expert travels with it (+1: the padding's zeros read as "no expert")
-        tag = ops.where(valid, flat % self.per_rank + 1, 0).astype(x.dtype)
-        payload = ops.concat((ops.gather(x, token, 0), ops.expand_dims(tag, -1)), 1)
-        send = ops.unsorted_segment_sum(payload, slot, self.g * capacity + 1)[:self.g * capacity]
-        received, _ = self.exchange(send, counts)
-        local = ops.stop_gradient(received[:, h]).astype(ms.int32) - 1
+        buffer = self.g * capacity
+        copies = ops.gather(x, token, 0).astype(self.compute_dtype)
+        send = ops.unsorted_segment_sum(copies, slot, buffer + 1)[:buffer]
+        # each row's local expert + 1 (the padding's zeros read as "no expert"), beside the rows: no gradient
+        tag = ops.stop_gradient(ops.where(valid, flat % self.per_rank + 1, 0).astype(ms.float32))
+        tags = ops.unsorted_segment_sum(tag, slot, buffer + 1)[:buffer]
+        received = self.exchange(send)
+        local = ops.stop_gradient(self.t.all_to_all(tags)).astype(ms.int32) - 1
         key = ops.where(local >= 0, local, self.per_rank)
         order = stable_order(key)
         sizes = expert_group_sizes(key, self.per_rank + 1)[:self.per_rank]
-        return ops.gather(received[:, :h], order, 0), sizes, (order, slot, token, weights.reshape(-1), rows)
+        return ops.gather(received, order, 0), sizes, (order, slot, token, weights.reshape(-1), rows)
 
     def combine(self, expert_out, state):
         order, slot, token, weights, rows = state
@@ -105,9 +123,9 @@ class _ExpertExchange(nn.Cell):
 
 
 class AllToAllDispatcher(nn.Cell):
-    def __init__(self, num_experts: int, top_k: int, ep_transport):
+    def __init__(self, num_experts: int, top_k: int, ep_transport, compute_dtype, capacity_factor=None):
         super().__init__()
-        self.exchange = _ExpertExchange(ep_transport, num_experts, top_k)
+        self.exchange = _ExpertExchange(ep_transport, num_experts, top_k, compute_dtype, capacity_factor)
 
     def dispatch(self, x, indices, weights):
         return self.exchange.dispatch(x, indices, weights)
@@ -117,14 +135,16 @@ class AllToAllDispatcher(nn.Cell):
 
 
 class HierarchicalDispatcher(nn.Cell):
-    def __init__(self, num_experts: int, top_k: int, across_nodes, in_node):
+    def __init__(self, num_experts: int, top_k: int, across_nodes, in_node, compute_dtype, capacity_factor=None):
         super().__init__()
         self.nodes = across_nodes.group.size
         self.per_node = num_experts // self.nodes
         self.top_k = top_k
         self.to_nodes = AllToAll(across_nodes)
         self.from_nodes = AllToAll(across_nodes)
-        self.inside = _ExpertExchange(in_node, self.per_node, top_k)
+        # a node's rank receives the rows of one source in each node
+        self.inside = _ExpertExchange(in_node, self.per_node, top_k, compute_dtype, capacity_factor, self.nodes,
+                                      num_experts)
 
     def dispatch(self, x, indices, weights):
         t, h = x.shape
@@ -178,9 +198,10 @@ class ExpertParallel:
         return self.index * per, (self.index + 1) * per
 
 
-def make_dispatcher(num_experts: int, top_k: int, ep: ExpertParallel):
+def make_dispatcher(num_experts: int, top_k: int, ep: ExpertParallel, compute_dtype=ms.float32,
+                    capacity_factor: float | None = None):
     if ep.ep == 1:
         return LocalDispatcher(num_experts, top_k)
     if ep.kind == "hierarchical":
-        return HierarchicalDispatcher(num_experts, top_k, ep.across_nodes, ep.in_node)
-    return AllToAllDispatcher(num_experts, top_k, ep.group)
+        return HierarchicalDispatcher(num_experts, top_k, ep.across_nodes, ep.in_node, compute_dtype, capacity_factor)
+    return AllToAllDispatcher(num_experts, top_k, ep.group, compute_dtype, capacity_factor)

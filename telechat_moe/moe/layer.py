@@ -2,7 +2,7 @@
 
 `moe_comm_chunks: c` runs dispatch, experts and combine on c slices of the tokens one after another: the slices
 are independent branches of one graph, so on Ascend one slice's exchange can overlap another's expert compute; the
-result equals the unsliced layer's.
+result equals the unsliced layer's (dropless; with `moe_expert_capacity_factor` each slice has its own capacity).
 
 Under tensor parallelism the rank routes and dispatches its own 1/tp of the sequence positions: its sequence shard
 under sequence parallelism, otherwise its slice of the replicated input, the routed outputs then gathered back.
@@ -13,7 +13,9 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
+from parallel.ep.capacity import expert_capacity
 from parallel.ep.counts import dispatch_counts
+from parallel.ep.permute import drop_over_capacity
 from parallel.tp.mappings import GatherSequenceReplicated, SplitSequence, TensorParallel
 from telechat_moe.config import ModelConfig
 from telechat_moe.layers import SwiGLU, ms_dtype, weight_seed
@@ -31,7 +33,10 @@ class MoELayer(nn.Cell):
         super().__init__()
         cdt = ms_dtype(cfg.compute_dtype)
         self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), tp)
-        self.dispatcher = make_dispatcher(cfg.n_routed_experts, cfg.num_experts_per_tok, ep)
+        self.dispatcher = make_dispatcher(cfg.n_routed_experts, cfg.num_experts_per_tok, ep, cdt,
+                                          cfg.moe_expert_capacity_factor)
+        self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
+        self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.initializer_range, grouped_matmul, cdt, layer)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
@@ -46,6 +51,9 @@ class MoELayer(nn.Cell):
         self.experts_per_rank = cfg.n_routed_experts // ep.ep
 
     def routed(self, x, indices, weights):
+        if self.capacity_factor is not None:     # each expert's capacity of this rank's tokens (of this slice)
+            capacity = int(expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor))
+            indices, weights = drop_over_capacity(indices, weights, self.num_experts, capacity, self.drop_policy)
         tokens, group_sizes, state = self.dispatcher.dispatch(x, indices, weights)
         return self.dispatcher.combine(self.experts(tokens, group_sizes), state)
 

@@ -60,11 +60,16 @@ def skewed_bias(kind: str) -> np.ndarray:
     return bias
 
 
-def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all):
+def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all, capacity=None):
+    """`capacity`: (factor, drop policy). Each rank then drops its own tokens' copies to capacity, so the reference
+    is the one-process layer on this rank's rows (dropping alike), its expert gradients summed over all ranks."""
+    factor, policy = capacity or (None, "probs")
     cfg = ModelConfig(hidden_size=H, n_routed_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
                       moe_shared_expert_intermediate_size=I, seq_length=S, moe_token_dispatcher_type=kind,
-                      moe_comm_chunks=chunks, moe_aux_loss_coeff=0.0)
-    ref = MoELayer(dataclasses.replace(cfg, moe_comm_chunks=1), grouped_matmul_cpu, layer=1)   # unsliced
+                      moe_comm_chunks=chunks, moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=factor,
+                      moe_token_drop_policy=policy)
+    # unsliced (with a capacity, sliced alike: each slice has its own)
+    ref = MoELayer(cfg if capacity else dataclasses.replace(cfg, moe_comm_chunks=1), grouped_matmul_cpu, layer=1)
     ep = ExpertParallel.of(layout, rank, kind, "CPU")
     par = MoELayer(cfg, grouped_matmul_cpu, layer=1, ep=ep)
     first, last = ep.experts(E)
@@ -77,16 +82,22 @@ def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all):
     for layer in (ref, par):
         layer.gate.expert_bias.set_data(Tensor(skewed_bias(routing)))
     rows = slice(rank * B, (rank + 1) * B)   # every rank holds its own B rows of the global batch
-    y_ref, g_ref = output_and_grads(ref, x_all, cot_all)
+    sum_all = ops.AllReduce()
+    if capacity:
+        y_ref, g_ref = output_and_grads(ref, x_all[rows], cot_all[rows])
+        y_ref, dx_ref = y_ref.asnumpy(), g_ref[0][0].asnumpy()
+        ref_grads = [sum_all(g).asnumpy() for g in g_ref[1]]
+    else:
+        y_ref, g_ref = output_and_grads(ref, x_all, cot_all)
+        y_ref, dx_ref = y_ref.asnumpy()[rows], g_ref[0][0].asnumpy()[rows]
+        ref_grads = [g.asnumpy() for g in g_ref[1]]
     y_par, g_par = output_and_grads(par, x_all[rows], cot_all[rows])
     names = [p.name for p in par.trainable_params()]
-    dx_ref, dx_par = g_ref[0][0].asnumpy()[rows], g_par[0][0].asnumpy()
-    sum_all = ops.AllReduce()
     edp = transport_for(ProcessGroups(layout, rank).axis(Axis.EDP), "CPU")
-    errors = {"output": relative_error(y_par.asnumpy(), y_ref.asnumpy()[rows]),
-              "grad_input": relative_error(dx_par, dx_ref)}
-    for name, gr, gp in zip(names, g_ref[1], g_par[1]):
-        gr, gp = gr.asnumpy(), gp.asnumpy()
+    errors = {"output": relative_error(y_par.asnumpy(), y_ref),
+              "grad_input": relative_error(g_par[0][0].asnumpy(), dx_ref)}
+    for name, gr, gp in zip(names, ref_grads, g_par[1]):
+        gp = gp.asnumpy()
         if ".experts." in f".{name}":     # this rank's experts: the gradient of its EP group's tokens arrives
             gp = edp.all_reduce(Tensor(gp)).asnumpy()     # here; the other EP groups hold the same experts
             errors[f"grad {name}"] = relative_error(gp, gr[first:last])
@@ -94,7 +105,8 @@ def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all):
             errors[f"grad {name}"] = relative_error(sum_all(Tensor(gp)).asnumpy(), gr)
     tol = chain_tolerance("float32", [H, 2 * I, I, k, world * B * S])
     loads = par.gate(Tensor(x_all[rows].reshape(-1, H)), B)[4].asnumpy()
-    return {"case": f"{kind} top-{k} chunks={chunks} {routing} ep={layout.ep}", "errors": errors,
+    drop = f" capacity={factor} {policy}" if capacity else ""
+    return {"case": f"{kind} top-{k} chunks={chunks} {routing} ep={layout.ep}{drop}", "errors": errors,
             "tolerance": tol.rtol, "same_init": bool(same_init),
             "tokens_per_expert": sum_all(Tensor(loads)).asnumpy().tolist()}
 
@@ -106,21 +118,24 @@ def main(out: str) -> None:
     rng = np.random.default_rng(7)
     x_all = rng.normal(size=(world * B, S, H)).astype(np.float32)
     cot_all = rng.normal(size=(world * B, S, H)).astype(np.float32)
-    # (dispatcher, top-k, token slices, routing, ep); at 4 ranks: 2 nodes x 2 devices, and ep=2 inside dp=4
-    cases = [("alltoall", 4, 1, "skewed", world), ("hierarchical", 2, 1, "skewed", world),
-             ("hierarchical", 4, 1, "uniform", world), ("alltoall", 4, 2, "skewed", world)]
-    cases += [("alltoall", 2, 1, "skewed", world)] if world == 2 else [("alltoall", 4, 1, "skewed", 2),
-                                                                       ("hierarchical", 4, 1, "skewed", 4)]
+    # (dispatcher, top-k, token slices, routing, ep, capacity); at 4 ranks: 2 nodes x 2 devices, ep=2 inside dp=4.
+    # Capacity 1.0 of a rank's 16 tokens at top-4 over 16 experts: 4 copies per expert, the skewed routing's
+    # expert 0 gets 16 (12 dropped)
+    cases = [("alltoall", 4, 1, "skewed", world, None), ("hierarchical", 2, 1, "skewed", world, None),
+             ("hierarchical", 4, 1, "uniform", world, None), ("alltoall", 4, 2, "skewed", world, None),
+             ("alltoall", 4, 1, "skewed", 2, None), ("hierarchical", 4, 1, "skewed", world, None),
+             ("alltoall", 4, 1, "skewed", world, (1.0, "probs")),
+             ("hierarchical", 4, 2, "skewed", world, (1.0, "position"))]
     results = []
     if world == 4:
         errors = check_collectives(rank, world)
         results.append({"case": "collectives", "errors": errors, "tolerance": 1e-5, "same_init": True,
                          "tokens_per_expert": []})
         print(f"rank {rank}: collectives: worst {max(errors.values()):.2e}", flush=True)
-    for kind, k, chunks, routing, ep in cases:
+    for kind, k, chunks, routing, ep, capacity in cases:
         layout = ParallelLayout(dp=world, ep=ep, devices_per_node=max(1, world // 2)).validate(world)
         ms.set_seed(11)
-        results.append(run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all))
+        results.append(run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all, capacity))
         print(f"rank {rank}: {results[-1]['case']}: worst {max(results[-1]['errors'].values()):.2e}", flush=True)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank_{rank}.json").write_text(json.dumps(results, indent=1))

@@ -1,0 +1,76 @@
+"""Token drop to an expert's capacity (parallel/ep/permute.drop_over_capacity, sized by parallel/ep/capacity.py) in
+graph mode against a NumPy reference of Megatron's two policies, and an MoE layer whose capacity drops nothing
+equal to the dropless layer. (Across real EP ranks: tests/test_expert_parallel.py's capacity cases.)"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor, nn
+
+from dvm_fusion.grouped_matmul import grouped_matmul_cpu
+from parallel.ep.capacity import expert_capacity, rows_per_destination
+from parallel.ep.permute import drop_over_capacity
+from telechat_moe.config import ModelConfig
+from telechat_moe.moe.layer import MoELayer
+
+
+class Drop(nn.Cell):
+    def __init__(self, experts, capacity, policy):
+        super().__init__()
+        self.experts, self.capacity, self.policy = experts, capacity, policy
+
+    def construct(self, indices, weights):
+        return drop_over_capacity(indices, weights, self.experts, self.capacity, self.policy)
+
+
+def reference_keep(indices, weights, experts, capacity, policy):
+    """Per expert, its copies in token order (position) or by falling weight (probs); the first `capacity` kept."""
+    flat, w = indices.reshape(-1), weights.reshape(-1)
+    keep = np.zeros(flat.size, bool)
+    for e in range(experts):
+        copies = np.flatnonzero(flat == e)
+        if policy == "probs":
+            copies = copies[np.argsort(-w[copies], kind="stable")]
+        keep[copies[:capacity]] = True
+    return keep.reshape(indices.shape)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_drop_keeps_each_experts_first_copies_by_policy(policy):
+    rng = np.random.default_rng(3)
+    tokens, k, experts = 96, 4, 16
+    skew = np.r_[8.0, 4.0, 2.0, np.ones(experts - 3)]
+    indices = np.stack([rng.choice(experts, k, replace=False, p=skew / skew.sum())
+                        for _ in range(tokens)]).astype(np.int32)
+    weights = rng.random((tokens, k)).astype(np.float32)
+    capacity = int(expert_capacity(tokens, k, experts, 1.0))
+    assert capacity == 24
+    dropped_i, dropped_w = (t.asnumpy() for t in Drop(experts, capacity, policy)(Tensor(indices), Tensor(weights)))
+    keep = reference_keep(indices, weights, experts, capacity, policy)
+    assert (~keep).sum() > 0                                     # the skew overflows expert 0's capacity
+    np.testing.assert_array_equal(dropped_i, np.where(keep, indices, -1))
+    np.testing.assert_array_equal(dropped_w, np.where(keep, weights, 0.0))
+    assert np.bincount(dropped_i[dropped_i >= 0], minlength=experts).max() == capacity
+
+
+def test_buffer_rows_dropless_and_with_capacity():
+    # dropless: every row of the source to at most min(k, experts there) of a destination's experts
+    assert rows_per_destination(64, 8, 4) == 256 and rows_per_destination(64, 2, 4) == 128
+    # capacity 1.25 of 64 tokens top-8 over 512 experts: ceil(1.25) = 2 copies an expert, 4 experts a destination
+    assert expert_capacity(64, 8, 512, 1.25) == 2 and rows_per_destination(64, 8, 4, 2) == 8
+    arrays = rows_per_destination(np.array([64, 64]), 8, np.array([4, 16]), np.array([2, 2]))
+    np.testing.assert_array_equal(arrays, [8, 32])
+
+
+def test_layer_with_a_capacity_that_drops_nothing_equals_the_dropless_layer():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = ModelConfig(hidden_size=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      moe_shared_expert_intermediate_size=16, seq_length=8, moe_aux_loss_coeff=0.0)
+    x = Tensor(np.random.default_rng(0).normal(size=(2, 8, 32)).astype(np.float32))
+    outputs = []
+    for factor in (None, 8.0):          # 8.0: an expert takes every token, so nothing drops
+        ms.set_seed(5)
+        layer = MoELayer(ModelConfig(**{**cfg.__dict__, "moe_expert_capacity_factor": factor}), grouped_matmul_cpu)
+        outputs.append(layer(x)[0].asnumpy())
+    np.testing.assert_array_equal(outputs[0], outputs[1])
