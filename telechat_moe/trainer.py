@@ -356,8 +356,13 @@ class Trainer:
 
     def _forward_records(self, batch: dict) -> list:
         from precision.dump import TensorRecord
-        ids, _, _, segments, positions = self._tensors(batch, slice(None))
-        outs = self.layer_outputs(ids, segments, positions)
+        # micro-batch by micro-batch, as the step computes (a capacity factor drops per micro-batch's tokens)
+        mb = batch["input_ids"].shape[0] // self.micro
+        parts = []
+        for i in range(self.micro):
+            ids, _, _, segments, positions = self._tensors(batch, slice(i * mb, (i + 1) * mb))
+            parts.append(self.layer_outputs(ids, segments, positions))
+        outs = [ops.concat(pieces, 0) for pieces in zip(*parts)]
         if self.gather_over_ranks is not None:  # the global batch: a parallel run compares with any layout's
             outs = [self._global_batch(self.gather_over_ranks(o).asnumpy()) for o in outs]
         # (name, layer, operator) of each output: the embedding, per layer the stream after attention and after
