@@ -11,6 +11,8 @@ the residual stream between the regions is this rank's sequence shard [b, s/tp, 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -72,36 +74,62 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), self.zero, self.zero, self.no_load
 
 
+class AbsentLayer(nn.Cell):
+    """The place of a decoder layer another pipeline stage holds: no weights, so the layers this stage builds keep
+    their names (layers.{i}) and their seeds."""
+
+    def __init__(self, is_moe: bool):
+        super().__init__()
+        self.is_moe = is_moe
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """What one pipeline stage builds: its decoder layers, the embedding (the first stage; the last too when MTP
+    looks up the next tokens there: a copy whose gradient the trainer sums with the first stage's), and the tail
+    (final norm, head, MTP blocks). `None` for TeleChatMoE: everything."""
+    layers: frozenset
+    embedding: bool
+    tail: bool
+
+
 class TeleChatMoE(nn.Cell):
     def __init__(self, cfg: ModelConfig, device_target: str = "CPU", ep: ExpertParallel = ExpertParallel(),
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = TensorParallel(), parts: StageParts | None = None):
         """`ep`: this rank's share of the routed experts and its exchanges (the default: every expert here); `tp`:
-        its tensor-parallel group (the default: none). Weights are seeded by MindSpore's global seed."""
+        its tensor-parallel group (the default: none); `parts`: what its pipeline stage holds (the default: the
+        whole model). Weights are seeded by MindSpore's global seed and their names, so any part equals the whole
+        model's."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        parts = parts or StageParts(frozenset(range(cfg.num_hidden_layers)), True, True)
+        self.parts = parts
         seed = ms.get_seed() or 0
         gmm = grouped_matmul_for(device_target)
         std = cfg.initializer_range
-        if tp.tp == 1:
+        if not parts.embedding:
+            self.embed_tokens = None
+        elif tp.tp == 1:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, weight_seed(seed, "embed_tokens"))
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.transport, std, tp.sp,
                                                        weight_seed(seed, "embed_tokens"))
-        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep, tp, seed)
-                                   for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep, tp, seed) if i in parts.layers
+                                   else AbsentLayer(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)])
+        tail = parts.tail
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if tail else None
         # The head computes in float32 (logits feed the softmax) and runs as its own cell, so a pipeline plan
         # that gives lm_head a stage moves its matmul there, not only its weight. Over tp its output is this
         # rank's vocabulary columns.
         head_kwargs = {} if tp.tp == 1 else {"sequence_parallel": tp.sp}
-        self.lm_head = None if cfg.tie_word_embeddings else column_linear(
+        self.lm_head = None if cfg.tie_word_embeddings or not tail else column_linear(
             cfg.hidden_size, cfg.vocab_size, std, ms.float32, weight_seed(seed, "lm_head"), tp, **head_kwargs)
-        self.vocab_cross_entropy = VocabParallelCrossEntropy(tp.transport) if tp.tp > 1 else None
+        self.vocab_cross_entropy = VocabParallelCrossEntropy(tp.transport) if tp.tp > 1 and tail else None
         self.mtp = nn.CellList([
             MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed,
                                        f"mtp.{d}.block"), seed, f"mtp.{d}", tp)
-            for d in range(cfg.num_nextn_predict_layers)])
+            for d in range(cfg.num_nextn_predict_layers if tail else 0)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
@@ -134,7 +162,7 @@ class TeleChatMoE(nn.Cell):
         the layer in the backward; `selective` reruns the attention core only. Gradients are unchanged."""
         if mode not in ("none", "selective", "full"):
             raise ValueError(f"recompute: expected none, selective or full, got {mode!r}")
-        for layer in list(self.layers) + [block.block for block in self.mtp]:
+        for layer in [x for x in self.layers if not isinstance(x, AbsentLayer)] + [block.block for block in self.mtp]:
             if mode == "full":
                 layer.recompute()
             elif mode == "selective":

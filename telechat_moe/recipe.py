@@ -460,12 +460,13 @@ def check_trainable(r: Recipe, processes: int) -> None:
     dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
     communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
     p, m = r.parallel_config, r.model
-    for key, degree in (("pipeline_stage", p.pipeline_stage), ("context_parallel", p.context_parallel),
-                        ("expert_model_parallel", p.expert_model_parallel)):
-        require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data, tensor, sequence and expert "
-                             f"parallelism are); use --dry-run to plan this layout")
+    for key, degree in (("context_parallel", p.context_parallel), ("expert_model_parallel", p.expert_model_parallel)):
+        require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data, tensor, sequence, expert "
+                             f"and pipeline parallelism are); use --dry-run to plan this layout")
     if p.model_parallel > 1:
         _check_tensor_parallel(r)
+    if p.pipeline_stage > 1:
+        _check_pipeline(r)
     require(p.expert_parallel == 1 or m.moe_token_dispatcher_type != "local",
              f"model.moe_token_dispatcher_type: 'local' keeps every expert on every rank; expert_parallel="
              f"{p.expert_parallel} needs alltoall or hierarchical")
@@ -476,6 +477,18 @@ def check_trainable(r: Recipe, processes: int) -> None:
              f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = {p.data_parallel}*"
              f"{p.model_parallel}*{p.context_parallel}*{p.pipeline_stage} = {devices}, but {launched} (use msrun "
              f"--worker_num={world}, or change parallel_config)")
+
+
+def _check_pipeline(r: Recipe) -> None:
+    """What the multi-process pipeline (telechat_moe/pipeline_step.py) runs beyond a valid layout (whose schedule
+    validate() checked): an untied head, and no tensor dumps yet."""
+    p, m = r.parallel_config, r.model
+    require(not m.tie_word_embeddings,
+            f"model.tie_word_embeddings: a head tied to the embedding is not trained yet under pipeline "
+            f"parallelism (pipeline_stage={p.pipeline_stage}); untie it or use pipeline_stage=1")
+    require(not r.training.dump_steps,
+            f"training.dump_steps: tensor dumps are not written yet under pipeline parallelism "
+            f"(pipeline_stage={p.pipeline_stage})")
 
 
 def _check_tensor_parallel(r: Recipe) -> None:

@@ -36,10 +36,11 @@ from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_po
 from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
 from telechat_moe.dry_run import DTYPE_BYTES
 from telechat_moe.metrics import StepLogger, Timer, info
-from telechat_moe.model import TeleChatMoE
+from telechat_moe.model import AbsentLayer, TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.router import expert_bias_delta
 from telechat_moe.optim import build_adamw, lr_at
+from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
 from telechat_moe.recipe import Recipe
 
 
@@ -85,14 +86,20 @@ class PrepareGradients(nn.Cell):
     over the tp group and of the expert shards over the EP group, so it is the norm of the whole model's
     gradient."""
 
-    def __init__(self, weights: ParameterTuple, kinds: tuple, dp: int, clip: float, comm: "GradientGroups"):
+    def __init__(self, weights: ParameterTuple, kinds: tuple, dp: int, clip: float, comm: "GradientGroups",
+                 counted: tuple | None = None, pp=None):
+        """Under pipeline parallelism `pp` is the pipeline group's transport, whose stages' squares the norm adds,
+        and `counted[i]` says whether weight i counts in the norm (a copy of a weight another stage also holds
+        counts once)."""
         super().__init__(auto_prefix=False)
         self.map = ops.HyperMap()
         self.kinds = kinds
+        self.counted = counted or (True,) * len(kinds)
         self.dense_sum = AllReduce(comm.dp)
         self.tp_sum = AllReduce(comm.tp)
         self.expert_sum = AllReduce(comm.edp)
         self.shard_sum = AllReduce(comm.ep)
+        self.stage_sum = AllReduce(pp) if pp is not None else None
         self.dp = dp
         self.clip = clip
 
@@ -100,20 +107,24 @@ class PrepareGradients(nn.Cell):
         reduced = ()
         dense_sq, tp_sq, expert_sq = ops.zeros((), ms.float32), ops.zeros((), ms.float32), ops.zeros((), ms.float32)
         for i in range(len(grads)):
+            weight = 1.0 if self.counted[i] else 0.0
             if self.kinds[i] == EXPERT:
                 g = self.expert_sum(grads[i] * grad_scale) / self.dp
-                expert_sq = expert_sq + lambda_sum_squares(g)
+                expert_sq = expert_sq + weight * lambda_sum_squares(g)
             elif self.kinds[i] == TP_SHARD:
                 g = self.dense_sum(grads[i] * grad_scale) / self.dp
-                tp_sq = tp_sq + lambda_sum_squares(g)
+                tp_sq = tp_sq + weight * lambda_sum_squares(g)
             elif self.kinds[i] == PARTIAL:
                 g = self.tp_sum(self.dense_sum(grads[i] * grad_scale)) / self.dp
-                dense_sq = dense_sq + lambda_sum_squares(g)
+                dense_sq = dense_sq + weight * lambda_sum_squares(g)
             else:
                 g = self.dense_sum(grads[i] * grad_scale) / self.dp
-                dense_sq = dense_sq + lambda_sum_squares(g)
+                dense_sq = dense_sq + weight * lambda_sum_squares(g)
             reduced = reduced + (g,)
-        norm = ops.sqrt(dense_sq + self.tp_sum(tp_sq) + self.shard_sum(expert_sq))
+        squares = dense_sq + self.tp_sum(tp_sq) + self.shard_sum(expert_sq)
+        if self.stage_sum is not None:
+            squares = self.stage_sum(squares)
+        norm = ops.sqrt(squares)
         finite = ops.isfinite(norm)
         if self.clip > 0:
             factor = self.clip / ops.maximum(norm, self.clip)
@@ -266,10 +277,13 @@ class LossScaler:
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------
-def expert_biases(model: TeleChatMoE) -> list:
-    """The routers' expert biases in the order of the model's expert-load output (MoE layers, then MTP)."""
-    layers = [layer for layer in model.layers if layer.is_moe] + [block.block for block in model.mtp]
-    return [layer.mlp.gate.expert_bias for layer in layers]
+def expert_biases(model: TeleChatMoE) -> tuple[list[int], list]:
+    """(the routers' indices in the order of the model's expert-load output: MoE layers, then MTP; their expert
+    biases) of the routers this rank builds (a pipeline stage builds some)."""
+    moe = [layer for layer in model.layers if layer.is_moe]
+    built = [(i, layer) for i, layer in enumerate(moe) if not isinstance(layer, AbsentLayer)]
+    built += [(len(moe) + d, block.block) for d, block in enumerate(model.mtp)]
+    return [i for i, _ in built], [layer.mlp.gate.expert_bias for _, layer in built]
 
 
 def position_ids(batch: int, seq: int) -> np.ndarray:
@@ -301,22 +315,35 @@ class Trainer:
         device = recipe.context.device_target
         self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device)
         self.tp = TensorParallel.of(recipe.layout, rank, device)
-        self.model = TeleChatMoE(cfg, device, self.ep, self.tp)
+        self.stages = p.pipeline_stage
+        self.plan = stage_plan(recipe, rank) if self.stages > 1 else None
+        parts = self.plan.parts(cfg.num_nextn_predict_layers > 0) if self.plan else None
+        if self.plan:
+            info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} (chunk k on stage k % "
+                 f"{self.stages}); placement:\n{self.plan.description}", self.main)
+        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts)
         self.model.set_recompute(recipe.recompute_config.mode)
         o = recipe.optimizer
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay)
         # Gradients must come in the optimizer's order, which groups decayed parameters first.
         self.weights = self.optimizer.parameters
-        self.forward_backward = ForwardBackward(self.model, self.weights)
         self.groups = GradientGroups.of(recipe.layout, rank, device)
         self._tp_axes = self.model.tp_split_axes()
         kinds = tuple(gradient_kind(w.name, self.model, self._tp_axes) for w in self.weights)
-        self.step_graph = TrainStep(self.forward_backward, PrepareGradients(self.weights, kinds, p.data_parallel,
-                                                                           o.grad_clip, self.groups),
-                                    self.optimizer, p.micro_batch_num)
+
+        def prepare(counted=None, pp=None):
+            return PrepareGradients(self.weights, kinds, p.data_parallel, o.grad_clip, self.groups, counted, pp)
+
+        if self.plan:
+            self.pipeline = PipelineTrainStep(recipe, rank, self.model, self.plan, self.weights, prepare,
+                                              self.optimizer, device)
+        else:
+            self.pipeline = None
+            self.forward_backward = ForwardBackward(self.model, self.weights)
+            self.step_graph = TrainStep(self.forward_backward, prepare(), self.optimizer, p.micro_batch_num)
+            self.evaluate = Evaluate(self.model)
         self.sum_over_ranks = OverRanks(ops.AllReduce()) if world > 1 else None
-        self.evaluate = Evaluate(self.model)
-        self.biases = expert_biases(self.model)
+        self.router_rows, self.biases = expert_biases(self.model)
         self.move_biases = (MoveExpertBiases(self.biases)
                             if self.biases and recipe.model.moe_router_enable_expert_bias else None)
         self.scaler = LossScaler.from_recipe(recipe)
@@ -494,22 +521,28 @@ class Trainer:
         grad_scale = Tensor(1.0 / (self.scaler.scale * self.micro), ms.float32)
         lr = self.learning_rate(self.step)
         sums, loads, grads = np.zeros(5), None, None
-        for i in range(self.micro):
-            last = i == self.micro - 1
-            out = self.step_graph(*self._tensors(batch, slice(i * mb, (i + 1) * mb)), scale, grad_scale,
-                                  Tensor(lr, ms.float32), last, dumping and last)
-            sums += [float(x.asnumpy()) for x in out[:5]]
-            loads = out[5].asnumpy() if loads is None else loads + out[5].asnumpy()
-        norm, finite = out[6], bool(out[7].asnumpy())
-        if dumping:
-            grads = out[8]
+        if self.pipeline is not None:
+            micro = self.pipeline.microbatches(lambda rows: self._tensors(batch, rows), local, self.micro)
+            sums, loads, norm, finite, _ = self.pipeline.run(micro, self.scaler.scale, grad_scale,
+                                                             Tensor(lr, ms.float32))
+            sums = sums * self.micro
+        else:
+            for i in range(self.micro):
+                last = i == self.micro - 1
+                out = self.step_graph(*self._tensors(batch, slice(i * mb, (i + 1) * mb)), scale, grad_scale,
+                                      Tensor(lr, ms.float32), last, dumping and last)
+                sums += [float(x.asnumpy()) for x in out[:5]]
+                loads = out[5].asnumpy() if loads is None else loads + out[5].asnumpy()
+            norm, finite = out[6], bool(out[7].asnumpy())
+            if dumping:
+                grads = out[8]
         self.scaler.update(finite)
         if self.sum_over_ranks is not None:    # every rank's routing: the global expert load and traffic
             loads = self.sum_over_ranks(Tensor(loads)).asnumpy()
         e = self.r.model.n_routed_experts
         loads, self.traffic = loads[:, :e], loads[:, e:].sum(0)
-        if self.move_biases is not None:
-            delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)
+        if self.move_biases is not None:     # every router's step from the global load; this rank's applied
+            delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)[self.router_rows]
             self.move_biases(Tensor(delta.astype(np.float32)))
         total, lm, mtp, aux, z = self._mean_over_ranks(sums / self.micro)
         values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy()),
@@ -530,7 +563,10 @@ class Trainer:
         as often as the others, so the world group serves). One collective per call."""
         if self.sum_over_ranks is None:
             return local
-        return self.sum_over_ranks(Tensor(np.asarray(local, np.float32))).asnumpy().astype(np.float64) / self.world
+        # the stages of a pipeline hold parts of one value (the loss on the last, auxiliary terms on each): their
+        # sum is the value
+        total = self.sum_over_ranks(Tensor(np.asarray(local, np.float32))).asnumpy().astype(np.float64)
+        return total * self.stages / self.world
 
     def _traffic_bytes(self) -> dict:
         """Bytes the step's expert all-to-alls moved across and inside nodes, for the flat and the hierarchical
@@ -564,7 +600,10 @@ class Trainer:
         n = min(self.r.training.eval_batches, loader.batches_per_epoch)
         share = 0.0
         for i in range(n):
-            if hi > lo:
+            if hi > lo and self.pipeline is not None:      # the LM loss on the last stage, 0 elsewhere
+                loss = self.pipeline.evaluate(self._tensors(loader.batch_at(0, i), slice(lo, hi)))[1]
+                share += (hi - lo) / rows * float(loss)
+            elif hi > lo:
                 loss = self.evaluate(*self._tensors(loader.batch_at(0, i), slice(lo, hi)))
                 share += (hi - lo) / rows * float(loss.asnumpy())
         return float(self._mean_over_ranks(np.array([share * dp / n]))[0])

@@ -321,8 +321,6 @@ LAUNCH_ERRORS = [
     # 105b as written is MindFormers' 256-device layout
     ({"NNODES": "4", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}, [],
      ["parallel_config", "= 256 devices", "NNODES*DEVICES_PER_NODE = 4*8 = 32", "NNODES=32"]),
-    ({"NNODES": "32", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, [],
-     ["parallel_config.pipeline_stage", "not trained yet"]),
     # 32 devices, but the experts split only 4 ways: it does not fit the 55.5 GB of each device
     ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, ["parallel_config.pipeline_stage=1"],
      ["218.9 GiB per device", "context.max_device_memory_gb=55.5"]),
@@ -334,6 +332,14 @@ LAUNCH_ERRORS = [
     ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, [*FOUR_NODES, "context.jit_level=O7"],
      ["context.jit_level"]),
 ]
+
+
+def test_the_105b_recipe_as_written_launches_on_32_nodes(tmp_path):
+    """MindFormers' 256-device layout (pp=8 with tp, ep and dp): the preflight passes, msrun gets its node's 8."""
+    proc = launch(tmp_path, {**ASCEND_NODE, "NNODES": "32", "NODE_RANK": "3", "MASTER_ADDR": "10.0.0.1"}, "105b")
+    assert proc.returncode == 0, proc.stderr
+    args = proc.stdout.split()
+    assert "--worker_num=256" in args and "--local_worker_num=8" in args and "--node_rank=3" in args, proc.stdout
 
 
 @pytest.mark.parametrize("env,sets,needles", LAUNCH_ERRORS, ids=[" ".join(e[2][:1]) + str(i)

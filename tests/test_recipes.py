@@ -206,16 +206,30 @@ def test_the_same_sizes_train_without_tensor_parallelism():
         check_trainable(_set(load_recipe("tiny", plain), **model), processes=1)
 
 
-@pytest.mark.parametrize("sets", [["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"],
-                                  ["parallel_config.context_parallel=2"],
+@pytest.mark.parametrize("sets", [["parallel_config.context_parallel=2"],
                                   ["parallel_config.expert_model_parallel=2", "parallel_config.data_parallel=2"]],
-                         ids=["pipeline_stage", "context_parallel", "expert_model_parallel"])
+                         ids=["context_parallel", "expert_model_parallel"])
 def test_layouts_not_trained_yet_are_one_line(sets):
     r = load_recipe("tiny", sets)
     key = sets[0].split("=")[0]
-    with pytest.raises(RecipeError, match=rf"^{key}: 2 is not trained yet \(data, tensor, sequence and expert "
-                                          rf"parallelism are\); use --dry-run"):
+    with pytest.raises(RecipeError, match=rf"^{key}: 2 is not trained yet \(data, tensor, sequence, expert and "
+                                          rf"pipeline parallelism are\); use --dry-run"):
         check_trainable(r, processes=r.layout.world_size)
+
+
+PIPELINE = ["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"]
+
+
+@pytest.mark.parametrize("sets,needles", [
+    (["model.tie_word_embeddings=true"], ["model.tie_word_embeddings", "pipeline_stage=2"]),
+    (["training.dump_steps=1"], ["training.dump_steps", "pipeline parallelism"]),
+], ids=["tied head", "dumps"])
+def test_what_the_pipeline_does_not_run_is_one_line(sets, needles):
+    r = load_recipe("tiny", PIPELINE + sets)
+    with pytest.raises(RecipeError) as e:
+        check_trainable(r, processes=r.layout.world_size)
+    assert all(n in str(e.value) for n in needles) and "\n" not in str(e.value), str(e.value)
+    check_trainable(load_recipe("tiny", PIPELINE), processes=2)
 
 
 def test_tied_head_under_tensor_parallelism_stops_before_mindspore(tmp_path):

@@ -7,15 +7,21 @@ k // p (`Schedule.virtual_stage`). Stage s is the rank at position s of this ran
 (`ParallelLayout.group_of(Axis.PP, rank)`, sorted: the pp coordinate is the slowest-varying one), so the
 neighbours of every chunk come from the layout.
 
+A chunk is a Cell `chunk(x, *side) -> (y, loss, stats)`: `x` is micro-batch mb's input (chunk 0) or the previous
+chunk's activation, `side` the micro-batch's other inputs (every chunk gets them: labels, masks, positions), `y`
+the activation for the next chunk (ignored on the last), `loss` the chunk's part of the micro-batch loss (the
+last chunk's loss; others may add terms of their own, such as auxiliary losses, whose gradient stays local) and
+`stats` any tensor the caller wants back per micro-batch (not differentiated).
+
 Per action, on the stage that holds chunk k:
-- F(mb, c): the input is micro-batch mb's input (k == 0) or the activation received from chunk k-1's stage; the
-  chunk runs and its output is sent to chunk k+1's stage, or, on the last chunk, the loss is computed. The input
-  is stored: it is the activation in flight until the backward.
-- B(mb, c): the stored input is released; the output gradient is received from chunk k+1's stage (or, on the last
-  chunk, is the loss scale, 1/m: the loss is the mean over micro-batches, as in `replay.py`); one GradOperation
-  with sens_param on a Cell wrapping the chunk (and the loss on the last chunk) recomputes the chunk's forward and
-  returns the input gradient and the weight gradients; the weight gradients are added into the per-chunk
-  accumulators and the input gradient is sent to chunk k-1's stage (unless k == 0).
+- F(mb, c): the chunk runs on its input and its output is sent to chunk k+1's stage. The input is stored: it is
+  the activation in flight until the backward.
+- B(mb, c): the stored input is released; the output gradient is received from chunk k+1's stage (zero on the
+  last chunk); with the loss's gradient, the loss scale (1/m by default: the loss is the mean over micro-batches,
+  as in `replay.py`), one GradOperation with sens_param recomputes the chunk's forward and adds the weight
+  gradients into the chunk's accumulators inside the same graph (a graph's gradient outputs handed to another
+  graph stayed alive on MindSpore 2.9's CPU), returning the input gradient, which is sent to chunk k-1's stage
+  (unless k == 0).
 
 Ordering of the transfers (why it cannot deadlock). A transfer on the CPU transport is one all-reduce on the
 pair's group: it blocks both ends until both have issued it, and two transfers on one pair pair up in issue order
@@ -40,7 +46,8 @@ order on both ends (the sequence's). A received tensor waits in a buffer until i
 not an activation in flight in the schedule's sense (it is reported apart, `peak_buffered`).
 
 Timeline: every action records its start and end (`time.perf_counter`), every transfer too; the executed order
-is returned so that a test can assert it equals the schedule's.
+is returned so that a test can assert it equals the schedule's. `forward_only` runs the micro-batches through
+the chunks without a backward (evaluation), its transfers in (micro-batch, chunk) order.
 """
 from __future__ import annotations
 
@@ -98,8 +105,7 @@ class TransferRecord:
 class PipelineResult:
     stage: int
     losses: dict[int, float]                       # micro-batch -> loss (on the stage holding the last chunk)
-    grads: dict[int, dict[str, np.ndarray]]        # chunk k held here -> parameter name inside the chunk ->
-    #                                                gradient of the mean loss
+    stats: dict[tuple[int, int], np.ndarray]       # (micro-batch, chunk k held here) -> the chunk's stats
     order: list[Action]                            # the actions in the order they ran
     log: list[ActionRecord]
     transfers: list[TransferRecord]
@@ -148,31 +154,24 @@ def _cells():
     import mindspore as ms
     from mindspore import nn, ops
 
-    class ChunkLoss(nn.Cell):
-        """Chunk k's output, or on the last chunk the micro-batch loss of it."""
-
-        def __init__(self, chunk, loss_fn=None):
-            super().__init__()
-            self.chunk, self.loss_fn = chunk, loss_fn
-
-        def construct(self, x, side):
-            y = self.chunk(x)
-            if self.loss_fn is not None:
-                return self.loss_fn(y, side)
-            return y
-
     class ChunkGrad(nn.Cell):
-        """(input gradients, weight gradients) of ChunkLoss for the output gradient `sens` (recomputes the
-        forward)."""
+        """The input gradient of chunk(x, *side) for the output gradients `sens` (y, loss, stats), its weight
+        gradients added into `accumulators` (recomputes the forward)."""
 
-        def __init__(self, net, weights):
-            super().__init__()
-            self.net = net
+        def __init__(self, chunk, weights, accumulators):
+            super().__init__(auto_prefix=False)     # the chunk's parameters keep their names
+            self.chunk = chunk
             self.weights = ms.ParameterTuple(weights)
+            self.accumulators = ms.ParameterTuple(accumulators)
             self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+            self.map = ops.HyperMap()
 
-        def construct(self, x, side, sens):
-            return self.grad(self.net, self.weights)(x, side, sens)
+        def construct(self, x, *rest):
+            # flat arguments (side..., the three output gradients): a tuple argument is a new constant to the graph
+            # at every call
+            inputs, weights = self.grad(self.chunk, self.weights)(x, *rest[:-3], rest[-3:])
+            self.map(ops.assign_add, self.accumulators, weights)
+            return inputs[0]
 
     class Send(nn.Cell):
         def __init__(self, transport):
@@ -190,24 +189,24 @@ def _cells():
         def construct(self):
             return self.t.recv(self.shape, self.dtype)
 
-    return ChunkLoss, ChunkGrad, Send, Recv
+    return ChunkGrad, Send, Recv
 
 
 class PipelineExecutor:
     """Runs `schedule` for this rank's stage.
 
-    chunks: all p*v chunks of the model (Cells built inside one parent Cell so parameters have unique names); only
-    those of this stage are run. chunk k maps activation [activation_shape] -> [activation_shape].
-    loss_fn(y, side) -> scalar: the micro-batch loss from the last chunk's output; `side` (labels) is each
-    micro-batch's second element and is not differentiated.
-    transport_of(peer_stage) -> the transport of the pair (this rank, that stage's rank); by default
-    `ProcessGroups(layout, rank).pair(peer)` + `transport_for(group, device_target)`.
+    chunks: all p*v chunks of the model as Cells of the contract above (only this stage's are built into graphs
+    and run; the others may be None). activation_shape, dtype: what a chunk sends the next (a run may give other
+    shapes). accumulator_of(weight) -> the Parameter its gradients are added into (by default zeros-initialised
+    copies, read by `gradients()`). transport_of(peer_stage) -> the transport of the pair (this rank, that stage's
+    rank); by default `ProcessGroups(layout, rank).pair(peer)` + `transport_for(group, device_target)`.
     """
 
-    def __init__(self, schedule: Schedule, layout: ParallelLayout, rank: int, chunks: Sequence, loss_fn,
+    def __init__(self, schedule: Schedule, layout: ParallelLayout, rank: int, chunks: Sequence,
                  activation_shape: Sequence[int], dtype=None, device_target: str = "CPU",
-                 transport_of: Callable | None = None):
+                 transport_of: Callable | None = None, accumulator_of: Callable | None = None):
         import mindspore as ms
+        from mindspore import Parameter
         from parallel.comm import ProcessGroups, transport_for
 
         p, v = schedule.stages, schedule.chunks
@@ -222,46 +221,73 @@ class PipelineExecutor:
         self.stage = self.stage_ranks.index(rank)
         self.shape, self.dtype = tuple(activation_shape), dtype or ms.float32
         self.last = p * v - 1
-        ChunkLoss, ChunkGrad, Send, Recv = _cells()
+        ChunkGrad, self._Send, self._Recv = _cells()
         self.mine = [schedule.virtual_stage(self.stage, c) for c in range(v)]
-        self.fwd, self.bwd, self.weights = {}, {}, {}
+        self.fwd, self.bwd, self.weights, self.accumulators = {}, {}, {}, {}
         for k in self.mine:
-            net = ChunkLoss(chunks[k], loss_fn if k == self.last else None)
             # names relative to the chunk (a wrapping Cell may rename MindSpore's parameters)
             named = [(n, w) for n, w in chunks[k].parameters_and_names() if w.requires_grad]
-            if k == self.last and hasattr(loss_fn, "parameters_and_names"):
-                named += [(f"loss.{n}", w) for n, w in loss_fn.parameters_and_names()
-                          if w.requires_grad and all(w is not x for _, x in named)]
-            self.fwd[k], self.bwd[k] = net, ChunkGrad(net, [w for _, w in named])
+            if accumulator_of is None:
+                accumulators = [Parameter(ms.ops.zeros(w.shape, w.dtype), name=f"grad_accum.{k}.{n}",
+                                          requires_grad=False) for n, w in named]
+            else:
+                accumulators = [accumulator_of(w) for _, w in named]
+            self.fwd[k], self.bwd[k] = chunks[k], ChunkGrad(chunks[k], [w for _, w in named], accumulators)
             self.weights[k] = [n for n, _ in named]
+            self.accumulators[k] = accumulators
         groups = ProcessGroups(layout, rank)
         if transport_of is None:
             def transport_of(peer_stage):
                 return transport_for(groups.pair(self.stage_ranks[peer_stage]), device_target)
-        self.send, self.recv = {}, {}
+        self.transports, self.send, self.recv = {}, {}, {}
         self.program = program(schedule, self.stage)
-        for e in self.program:   # create every pair group up front, in the same order on all ranks
-            if isinstance(e, Transfer) and e.src != e.dst:
-                peer = e.dst if e.src == self.stage else e.src
-                if peer not in self.send:
-                    t = transport_of(peer)
-                    self.send[peer], self.recv[peer] = Send(t), Recv(t, self.shape, self.dtype)
+        # every pair group up front, in the same order on all ranks (the training program's, then evaluation's)
+        for peer in [e.dst if e.src == self.stage else e.src for e in self.program
+                     if isinstance(e, Transfer) and e.src != e.dst] + self._forward_peers():
+            if peer not in self.transports:
+                self.transports[peer] = transport_of(peer)
+                self.send[peer] = self._Send(self.transports[peer])
 
-    def run(self, microbatches: Sequence[tuple]) -> PipelineResult:
-        """microbatches[mb] = (input of chunk 0 (numpy or Tensor), side input of the loss); every rank passes all
-        of them (only the first and the last chunk's stages read them)."""
-        from mindspore import Tensor
+    def _forward_peers(self) -> list[int]:
+        p = self.schedule.stages
+        return [s for k in range(self.last) for s in (k % p, (k + 1) % p)
+                if self.stage in (k % p, (k + 1) % p) and s != self.stage]
+
+    def _receive(self, peer: int, shape: tuple):
+        key = (peer, shape)
+        if key not in self.recv:
+            self.recv[key] = self._Recv(self.transports[peer], shape, self.dtype)
+        return self.recv[key]()
+
+    def gradients(self) -> dict[int, dict[str, np.ndarray]]:
+        """chunk k held here -> parameter name inside the chunk -> its accumulated gradient."""
+        return {k: {n: a.asnumpy() for n, a in zip(self.weights[k], self.accumulators[k])} for k in self.mine}
+
+    def zero_gradients(self) -> None:
+        from mindspore import ops
+        for k in self.mine:
+            for a in self.accumulators[k]:
+                a.set_data(ops.zeros(a.shape, a.dtype))
+
+    def run(self, microbatches: Sequence[tuple], activation_shape: Sequence[int] | None = None,
+            loss_sens: float | None = None) -> PipelineResult:
+        """microbatches[mb] = (input of chunk 0, side inputs...) (numpy or Tensors); every rank passes all of them
+        (a stage reads what its chunks need). The weight gradients of loss_sens x each micro-batch's loss (default
+        1/m: of the mean loss) are added into the accumulators."""
+        from mindspore import Tensor, ops
 
         sch, m = self.schedule, self.schedule.microbatches
         if len(microbatches) != m:
             raise ExecutorError(f"microbatches: the schedule runs {m}, got {len(microbatches)}")
+        shape = tuple(activation_shape or self.shape)
         as_t = lambda x: x if isinstance(x, Tensor) else Tensor(x)   # noqa: E731
-        scale = Tensor(np.float32(1.0 / m))
+        mbs = [tuple(as_t(x) for x in mb) for mb in microbatches]
+        sens = Tensor(np.float32(1.0 / m if loss_sens is None else loss_sens))
         inbox: dict[tuple, Tensor] = {}      # (direction, mb, producing k) -> received tensor
         outbox: dict[tuple, Tensor] = {}     # produced here, waiting for its transfer
         stored: dict[tuple[int, int], Tensor] = {}   # (mb, k) -> chunk k's input, until its backward
-        grads: dict[int, dict[str, np.ndarray]] = {k: {} for k in self.mine}
-        losses: dict[int, float] = {}
+        shapes: dict[tuple[int, int], tuple] = {}    # (mb, k) -> shapes of chunk k's outputs (y, stats)
+        losses, stats = {}, {}
         order, log, tlog = [], [], []
         peak = peak_buf = 0
         for e in self.program:
@@ -273,39 +299,63 @@ class PipelineExecutor:
                 elif e.src == self.stage:
                     self.send[e.dst](outbox.pop(key)).asnumpy()   # wait for the collective to finish
                 else:
-                    inbox[key] = self.recv[e.src]()
+                    inbox[key] = self._receive(e.src, shape)
                     inbox[key].asnumpy()
                 tlog.append(TransferRecord(e, e.src == self.stage, t0, time.perf_counter()))
                 peak_buf = max(peak_buf, len(inbox))
                 continue
             a = e.action
             k = sch.virtual_stage(self.stage, a.chunk)
-            x0, side = microbatches[a.microbatch]
-            side = as_t(side)
+            x0, *side = mbs[a.microbatch]
             t0 = time.perf_counter()
             if a.kind is Kind.F:
-                x = as_t(x0) if k == 0 else inbox.pop((Kind.F, a.microbatch, k - 1))
-                out = self.fwd[k](x, side)
+                x = x0 if k == 0 else inbox.pop((Kind.F, a.microbatch, k - 1))
+                y, loss, st = self.fwd[k](x, *side)
                 stored[(a.microbatch, k)] = x
+                shapes[(a.microbatch, k)] = (y, st)
                 peak = max(peak, len(stored))
+                stats[(a.microbatch, k)] = st.asnumpy()
                 if k == self.last:
-                    losses[a.microbatch] = float(out.asnumpy())
+                    losses[a.microbatch] = float(loss.asnumpy())
                 else:
-                    out.asnumpy()
-                    outbox[(Kind.F, a.microbatch, k)] = out
+                    outbox[(Kind.F, a.microbatch, k)] = y
             else:
                 x = stored.pop((a.microbatch, k))
-                sens = scale if k == self.last else inbox.pop((Kind.B, a.microbatch, k + 1))
-                input_grads, weight_grads = self.bwd[k](x, side, sens)
-                acc = grads[k]
-                for name, g in zip(self.weights[k], weight_grads):
-                    g = g.asnumpy()
-                    acc[name] = acc[name] + g if name in acc else g
+                y, st = shapes.pop((a.microbatch, k))
+                dy = ops.zeros_like(y) if k == self.last else inbox.pop((Kind.B, a.microbatch, k + 1))
+                dx = self.bwd[k](x, *side, dy, sens, ops.zeros_like(st))
+                dx.asnumpy()                 # the action's end on the timeline
                 if k > 0:
-                    input_grads[0].asnumpy()
-                    outbox[(Kind.B, a.microbatch, k)] = input_grads[0]
+                    outbox[(Kind.B, a.microbatch, k)] = dx
             log.append(ActionRecord(a, k, t0, time.perf_counter()))
             order.append(a)
         if stored or inbox or outbox:
             raise ExecutorError("activations or gradients left over after the schedule: it does not close")
-        return PipelineResult(self.stage, losses, grads, order, log, tlog, peak, peak_buf, self.program)
+        return PipelineResult(self.stage, losses, stats, order, log, tlog, peak, peak_buf, self.program)
+
+    def forward_only(self, microbatches: Sequence[tuple], activation_shape: Sequence[int] | None = None
+                     ) -> dict[tuple[int, int], np.ndarray]:
+        """Each micro-batch through the chunks, no backward: (micro-batch, chunk k held here) -> its stats (the
+        last chunk's loss is also its stats' first entry, as the caller's chunk defines). Transfers in
+        (micro-batch, chunk) order, the same on every rank, so that both ends of each meet."""
+        from mindspore import Tensor
+        p = self.schedule.stages
+        shape = tuple(activation_shape or self.shape)
+        as_t = lambda x: x if isinstance(x, Tensor) else Tensor(x)   # noqa: E731
+        stats = {}
+        for mb, batch in enumerate(microbatches):
+            x0, *side = (as_t(x) for x in batch)
+            x = x0
+            for k in range(self.last + 1):
+                here, nxt = k % p, (k + 1) % p
+                if here == self.stage:
+                    y, _, st = self.fwd[k](x, *side)
+                    stats[(mb, k)] = st.asnumpy()
+                    x = y
+                if k == self.last or here == nxt:
+                    continue
+                if here == self.stage:
+                    self.send[nxt](x).asnumpy()
+                elif nxt == self.stage:
+                    x = self._receive(here, shape)
+        return stats

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, nn, ops  # noqa: F401
 from mindspore.communication import get_group_size, get_rank, init
 
 from parallel.layout import ParallelLayout
@@ -33,8 +33,21 @@ class Layer(nn.Cell):
         return self.tanh(self.dense(x))
 
 
+class Piece(nn.Cell):
+    """A chunk of the executor's contract: (activation, loss part, stats); the last one's loss is the MSE."""
+
+    def __init__(self, layers, last: bool):
+        super().__init__()
+        self.body, self.last = nn.SequentialCell(layers), last
+
+    def construct(self, x, t):
+        y = self.body(x)
+        loss = ((y - t) ** 2).mean() if self.last else ops.zeros((), ms.float32)
+        return y, loss, ops.stack((loss, y.sum()))
+
+
 class Model(nn.Cell):
-    """The 4 layers cut into `n_chunks` chunks (nn.SequentialCell each) of one CellList: unique parameter names."""
+    """The 4 layers cut into `n_chunks` Pieces of one CellList: unique parameter names."""
 
     def __init__(self, n_chunks: int):
         super().__init__()
@@ -42,26 +55,21 @@ class Model(nn.Cell):
         layers = [Layer(rng.normal(scale=0.6, size=(H, H)).astype(np.float32),
                         rng.normal(scale=0.1, size=(H,)).astype(np.float32)) for _ in range(LAYERS)]
         per = LAYERS // n_chunks
-        self.chunks = nn.CellList([nn.SequentialCell(layers[i * per:(i + 1) * per]) for i in range(n_chunks)])
-
-    def construct(self, x):
-        for c in self.chunks:
-            x = c(x)
-        return x
-
-
-class MSE(nn.Cell):
-    def construct(self, y, t):
-        return ((y - t) ** 2).mean()
+        self.chunks = nn.CellList([Piece(layers[i * per:(i + 1) * per], i == n_chunks - 1)
+                                   for i in range(n_chunks)])
 
 
 class WholeLoss(nn.Cell):
     def __init__(self, model):
         super().__init__()
-        self.model, self.loss = model, MSE()
+        self.model = model
 
     def construct(self, x, t):
-        return self.loss(self.model(x), t)
+        loss = ops.zeros((), ms.float32)
+        for c in self.model.chunks:
+            x, part, _ = c(x, t)
+            loss = loss + part
+        return loss
 
 
 class WholeGrad(nn.Cell):
@@ -94,23 +102,29 @@ def run_case(rank, world, name, v, microbatches):
     layout = ParallelLayout(pp=world, vpp=v, micro_batch_num=M).validate(world)
     ref_losses, ref_grads = reference(world * v, microbatches)
     model = Model(world * v)
-    ex = PipelineExecutor(schedule, layout, rank, list(model.chunks), MSE(), (B, H))
+    ex = PipelineExecutor(schedule, layout, rank, list(model.chunks), (B, H))
     t0 = time.perf_counter()
     res = ex.run(microbatches)
     first_step = time.perf_counter() - t0
+    grads = ex.gradients()
+    ex.zero_gradients()
     t0 = time.perf_counter()
     res2 = ex.run(microbatches)          # compiled: the timeline of a warm step
     warm_step = time.perf_counter() - t0
+    grads2 = ex.gradients()
+    evaluated = ex.forward_only(microbatches)
     tol = chain_tolerance("float32", [H] * LAYERS + [B * H, M])
     errors = {}
-    for k, gs in res.grads.items():
+    for k, gs in grads.items():
         for pname, g in gs.items():
             errors[f"chunk{k}:{pname}"] = relative_error(g, ref_grads[k][pname])
-            errors[f"chunk{k}:{pname}:rerun"] = relative_error(res2.grads[k][pname], ref_grads[k][pname])
+            errors[f"chunk{k}:{pname}:rerun"] = relative_error(grads2[k][pname], ref_grads[k][pname])
+    for (mb, k), st in evaluated.items():     # forward only: the same stats as the training run's forward
+        errors[f"forward_only {mb} {k}"] = relative_error(st, res.stats[(mb, k)])
     # the check can fail: the same gradients against the model's on 3 of the 4 micro-batches differ
     _, short_grads = reference(world * v, microbatches[:3])
-    sensitivity = min(relative_error(g, short_grads[k][n]) for k, gs in res.grads.items() for n, g in gs.items())
-    held = sum(len(gs) for gs in res.grads.values())
+    sensitivity = min(relative_error(g, short_grads[k][n]) for k, gs in grads.items() for n, g in gs.items())
+    held = sum(len(gs) for gs in grads.values())
     out = {"case": name, "v": v, "stage": res.stage, "tolerance": tol.rtol, "errors": errors,
            "params_checked": held, "sensitivity": sensitivity,
            "losses": {str(k): l for k, l in res.losses.items()}, "ref_losses": ref_losses,

@@ -1,0 +1,225 @@
+"""Pipeline parallelism in the trainer (`pipeline_stage > 1`): the model cut into p x v chunks by the placement MILP,
+this rank's stage built and run by `parallel.pipeline.executor` over the schedule of the recipe (1F1B, interleaved
+1F1B when pp_interleave_num > 1), then one graph that reduces, clips and applies the accumulated gradients.
+
+- Placement: `balance` (parallel/pipeline/placement.py) over the planner's units of the recipe's model on the
+  cluster that prices this machine (`clusters/cpu.yaml` on CPU, ascend910b on Ascend): segment k = chunk k // p of
+  stage k % p; the embedding is in the first segment, the final norm, head and MTP in the last, and any segment may
+  hold any number of layers (also none).
+- Chunk k: `StageChunk`, (input, labels, loss mask, segments, positions) -> (activation, loss part, stats): the
+  embedding first on chunk 0, its decoder layers, and on the last chunk the tail and the losses. A chunk's own
+  auxiliary and z losses are its loss part (their gradients stay on its stage); the last chunk's is the whole
+  LM + MTP loss with its own auxiliary terms. Stats: the loss parts (total, lm, mtp, aux, z) and the routing
+  statistics of the chunk's routers, which the trainer sums over chunks, micro-batches and ranks.
+- MTP looks up the embedding of the next tokens on the last stage: that stage holds a copy of the embedding table
+  (same seed and name, so it starts equal), and the two copies' gradients are summed over the pair (first stage,
+  last stage) before the update, so they stay equal; the norm counts it once (the first stage's).
+- The gradient norm adds every stage's squares over the pipeline group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import mindspore as ms
+from mindspore import ParameterTuple, nn, ops
+
+from parallel.comm import AllReduce, ProcessGroups, transport_for
+from parallel.layout import Axis
+from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.schedules import build
+from telechat_moe.model import StageParts, TeleChatMoE
+from telechat_moe.moe.layer import ROUTING_STATS
+
+
+LOSS_PARTS = 5      # total, lm, mtp, aux, z
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layers [start, end) of each chunk k (= segment k of the placement), and this rank's stage."""
+    bounds: tuple[tuple[int, int], ...]
+    stages: int
+    chunks: int
+    stage: int
+    description: str
+
+    def mine(self) -> list[int]:
+        return [c * self.stages + self.stage for c in range(self.chunks)]
+
+    def parts(self, mtp: bool) -> StageParts:
+        last = self.stages * self.chunks - 1
+        layers = frozenset(i for k in self.mine() for i in range(*self.bounds[k]))
+        first_here, last_here = 0 in self.mine(), last in self.mine()
+        return StageParts(layers, first_here or (last_here and mtp), last_here)
+
+
+def stage_plan(recipe, rank: int) -> StagePlan:
+    """The placement MILP's cut of the recipe's model for its layout (see the module docstring)."""
+    from parallel.pipeline.placement import PlacementOptions, balance, planner_units
+    from telechat_moe.workload import recipe_layout, recipe_workload
+    cluster = "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
+    w = recipe_workload(recipe, cluster)
+    layout = recipe_layout(recipe, w)
+    units = planner_units(w, layout)
+    placement = balance(units, layout.pp, layout.vpp, PlacementOptions(micro_batches=layout.micro_batch_num))
+    bounds, at = [], 0
+    for seg in placement.segments:
+        n = sum(u.kind in ("dense", "moe") for u in seg)
+        bounds.append((at, at + n))
+        at += n
+    stage = sorted(recipe.layout.group_of(Axis.PP, rank)).index(rank)
+    return StagePlan(tuple(bounds), layout.pp, layout.vpp, stage, placement.describe())
+
+
+class StageChunk(nn.Cell):
+    """Chunk k on its stage (see the module docstring)."""
+
+    def __init__(self, model: TeleChatMoE, start: int, end: int, first: bool, last: bool):
+        super().__init__(auto_prefix=False)
+        self.model, self.start, self.end, self.first, self.last = model, start, end, first, last
+        self.zero = ms.Tensor(0.0, ms.float32)
+
+    def construct(self, x, labels, loss_mask, segment_ids, position_ids):
+        m = self.model
+        cos, sin = m.rope(position_ids)
+        bias = m.attention_mask(segment_ids)
+        h = m.embed(x) if self.first else x
+        h, aux, z, loads = m.run_layers(h, cos, sin, bias, self.start, self.end)
+        aux, z = self.zero + aux, self.zero + z
+        if self.last:
+            if len(loads) == 0:     # head_losses stacks the routers' statistics: one zero row, which no router reads
+                loads = [ops.zeros(m.cfg.n_routed_experts + ROUTING_STATS, ms.float32)]
+            total, lm, mtp, aux, z, stacked = m.head_losses(h, labels, loss_mask, cos, sin, bias, aux, z, loads)
+            parts = ops.stack((total, lm, mtp, aux, z))
+            return self.zero, total, ops.stop_gradient(ops.concat((parts, stacked.reshape(-1))))
+        total = aux + z
+        parts = ops.stack((total, self.zero, self.zero, aux, z))
+        if len(loads) > 0:
+            parts = ops.concat((parts, ops.stack(loads).reshape(-1)))
+        return h, total, ops.stop_gradient(parts)
+
+
+def router_index(model: TeleChatMoE, start: int, end: int, last: bool) -> list[int]:
+    """The global router indices (the model's expert-load order: MoE layers, then MTP) of a chunk's routers."""
+    moe = [i for i in range(model.cfg.num_hidden_layers) if model.cfg.is_moe_layer(i)]
+    out = [moe.index(i) for i in range(start, end) if i in moe]
+    if last:
+        out += [len(moe) + d for d in range(model.cfg.num_nextn_predict_layers)]
+    return out
+
+
+class SumShared(nn.Cell):
+    """The shared embedding's accumulated gradient summed over its two copies' stages, in place: its own graph, run
+    before the update on both ends, so that no other collective can come between them."""
+
+    def __init__(self, accumulators: list, pair):
+        super().__init__(auto_prefix=False)
+        self.accumulators = ParameterTuple(accumulators)
+        self.pair_sum = AllReduce(pair)
+
+    def construct(self):
+        for i in range(len(self.accumulators)):
+            ops.assign(self.accumulators[i], self.pair_sum(self.accumulators[i] * 1))
+        return self.accumulators[0] * 1
+
+
+class PipelineUpdate(nn.Cell):
+    """After the schedule: the accumulated gradients reduced (PrepareGradients, with the pipeline group in the
+    norm), the optimizer applied (skipped on overflow), the accumulators zeroed."""
+
+    def __init__(self, accumulators: ParameterTuple, prepare, optimizer):
+        super().__init__(auto_prefix=False)
+        self.accumulators, self.prepare, self.optimizer = accumulators, prepare, optimizer
+        self.map = ops.HyperMap()
+
+    def construct(self, grad_scale, lr):
+        grads = ()
+        for i in range(len(self.accumulators)):
+            grads = grads + (self.accumulators[i] * 1,)
+        grads, norm, finite = self.prepare(grads, grad_scale)
+        ops.assign(self.optimizer.learning_rate, lr)
+        if finite:
+            self.optimizer(grads)
+        self.map(_zero, self.accumulators)
+        return norm, finite
+
+
+def _zero(p):
+    return ops.assign(p, ops.zeros_like(p))
+
+
+class PipelineTrainStep:
+    """One optimizer step of this rank's stage: the executor over the micro-batches, then PipelineUpdate."""
+
+    def __init__(self, recipe, rank: int, model: TeleChatMoE, plan: StagePlan, weights, make_prepare, optimizer,
+                 device: str):
+        p = plan.stages
+        self.plan, self.model, self.cfg = plan, model, recipe.model
+        last = p * plan.chunks - 1
+        chunks = [None] * (p * plan.chunks)
+        self.routers = {}
+        for k in plan.mine():
+            start, end = plan.bounds[k]
+            chunks[k] = StageChunk(model, start, end, k == 0, k == last)
+            self.routers[k] = router_index(model, start, end, k == last)
+        self.accumulators = weights.clone(prefix="grad_accum", init="zeros")
+        by_id = {id(w): a for w, a in zip(weights, self.accumulators)}
+        name = "interleaved" if plan.chunks > 1 else "1f1b"
+        self.schedule = build(name, p, plan.chunks, recipe.parallel_config.micro_batch_num)
+        tp = recipe.layout.tp
+        cfg = recipe.model
+        self.tokens_per_rank = cfg.seq_length // tp if recipe.parallel_config.use_seq_parallel and tp > 1 \
+            else cfg.seq_length
+        self.executor = PipelineExecutor(self.schedule, recipe.layout, rank, chunks,
+                                         (1, self.tokens_per_rank, cfg.hidden_size), ms.float32, device,
+                                         accumulator_of=lambda w: by_id[id(w)])
+        # the embedding's copies on the first and the last stage (MTP) are summed over the pair
+        stage_ranks = sorted(recipe.layout.group_of(Axis.PP, rank))
+        first, tail = plan.stage == 0, plan.stage == p - 1
+        has_copy = cfg.num_nextn_predict_layers > 0
+        pair = None
+        if has_copy and (first or tail):
+            peer = stage_ranks[-1] if first else stage_ranks[0]
+            pair = transport_for(ProcessGroups(recipe.layout, rank).pair(peer), device)
+        shared = tuple(bool(pair is not None and w.name.startswith("embed_tokens.")) for w in weights)
+        self.sum_shared = SumShared([a for a, s in zip(self.accumulators, shared) if s], pair) if any(shared) \
+            else None
+        # the norm counts the shared embedding once: the first stage's
+        counted = tuple(not (s and tail) for s in shared)
+        pp = transport_for(ProcessGroups(recipe.layout, rank).axis(Axis.PP), device)
+        self.update = PipelineUpdate(self.accumulators, make_prepare(counted, pp), optimizer)
+        self.experts = cfg.n_routed_experts + ROUTING_STATS
+        self.n_routers = len(router_index(model, 0, cfg.num_hidden_layers, True))
+
+    def microbatches(self, tensors_of, local: int, micro: int) -> list[tuple]:
+        mb = local // micro
+        return [tensors_of(slice(i * mb, (i + 1) * mb)) for i in range(micro)]
+
+    def _collect(self, stats: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(loss parts summed over this rank's chunks and micro-batches [5], routing statistics [routers, E+4])."""
+        parts = np.zeros(LOSS_PARTS)
+        loads = np.zeros((self.n_routers, self.experts), np.float32)
+        for (_, k), st in stats.items():
+            parts += st[:LOSS_PARTS]
+            rows = self.routers[k]
+            if rows:
+                loads[rows] += st[LOSS_PARTS:].reshape(len(rows), self.experts)
+        return parts, loads
+
+    def run(self, microbatches: list, scale: float, grad_scale, lr):
+        """-> (this rank's loss parts summed over chunks, per micro-batch mean [5], its routing statistics, norm,
+        finite)."""
+        b = microbatches[0][0].shape[0]
+        result = self.executor.run(microbatches, (b, self.tokens_per_rank, self.cfg.hidden_size), scale)
+        if self.sum_shared is not None:
+            self.sum_shared().asnumpy()
+        norm, finite = self.update(grad_scale, lr)
+        parts, loads = self._collect(result.stats)
+        return parts / len(microbatches), loads, norm, bool(finite.asnumpy()), result
+
+    def evaluate(self, microbatch: tuple) -> np.ndarray:
+        """This rank's loss parts [5] of one forward (the LM loss on the last stage, zeros elsewhere)."""
+        b = microbatch[0].shape[0]
+        stats = self.executor.forward_only([microbatch], (b, self.tokens_per_rank, self.cfg.hidden_size))
+        return self._collect(stats)[0]
