@@ -15,7 +15,7 @@ def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world
     cases = {c["case"] for c in ranks[0]}
     assert any("hierarchical" in c for c in cases) and any("chunks=2" in c for c in cases)
     if world == 4:      # 2 nodes x 2 devices; two EP groups of 2 inside a DP of 4; every collective Cell
-        assert {"hierarchical top-4 chunks=1 skewed ep=4", "alltoall top-4 chunks=1 skewed ep=2",
+        assert {"hierarchical top-2 chunks=1 skewed ep=4", "alltoall top-4 chunks=1 skewed ep=2",
                 "alltoall top-4 chunks=1 skewed ep=4 capacity=1.0 probs",
                 "hierarchical top-4 chunks=2 skewed ep=4 capacity=1.0 position", "collectives"} <= cases
         collectives = [next(c for c in results if c["case"] == "collectives") for results in ranks]

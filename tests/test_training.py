@@ -93,7 +93,7 @@ def test_tiny_recipe_trains_and_learns(tmp_path):
 # ---- resume ---------------------------------------------------------------------------------------------------
 def test_resume_after_kill_is_exact(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    common = SHORT + ["training.train_steps=20", "training.save_interval=10"]
+    common = SHORT + ["training.train_steps=12", "training.save_interval=6"]
     proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*common, f"output_dir={straight}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokenizer = f"data.tokenizer={straight / 'tokenizer.model'}"
@@ -101,20 +101,20 @@ def test_resume_after_kill_is_exact(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3"}
     cmd = [sys.executable, "run_train.py", "--recipe", "tiny", *sets(*common, tokenizer, f"output_dir={killed}")]
     victim = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ten = killed / "checkpoints" / "rank_0" / "step_00000010"
+    ten = killed / "checkpoints" / "rank_0" / "step_00000006"
     deadline = time.time() + 600
     while not ten.is_dir() and victim.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert ten.is_dir() and not (killed / "checkpoints" / "rank_0" / "step_00000020").exists(), \
-        "the run must die between its step-10 and step-20 checkpoints"
+    assert ten.is_dir() and not (killed / "checkpoints" / "rank_0" / "step_00000012").exists(), \
+        "the run must die between its step-6 and step-12 checkpoints"
 
     proc = run_cli("run_train.py", "--recipe", "tiny", "--resume", *sets(*common, tokenizer, f"output_dir={killed}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    assert "resumed from" in proc.stdout and "at step 6" in proc.stdout
     a, b = metrics(straight), metrics(killed)
-    for step in range(1, 21):
+    for step in range(1, 13):
         for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm", "lr"):
             assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
     wa, wb = final_weights(straight), final_weights(killed)

@@ -4,6 +4,7 @@ data-parallel test in test_training.py compares a DP=2 run's dump with a one-pro
 from __future__ import annotations
 
 import json
+import shutil
 
 from tests.helpers import assert_one_line_error, run_cli
 
@@ -37,7 +38,16 @@ def test_dumps_compare_and_localise(tmp_path):
     assert "embed_tokens" in diverged.stdout
     assert (tmp_path / "diverged.png").stat().st_size > 0
 
-    d = train(tmp_path / "d", "model.moe_intermediate_size=96", tokenizer=tok)
+    # a dump of another model (its run.json hashes another model config; the hash of a real config, no training)
+    from precision.dump import config_hash
+    from telechat_moe.recipe import load_recipe
+    d = tmp_path / "d"
+    shutil.copytree(a, d)
+    run = json.loads((d / "run.json").read_text())
+    other = load_recipe("tiny", SHORT + ["model.moe_intermediate_size=96"]).model.function()
+    run["meta"]["model_config_hash"] = config_hash(other)
+    assert run["meta"]["model_config_hash"] != json.loads((a / "run.json").read_text())["meta"]["model_config_hash"]
+    (d / "run.json").write_text(json.dumps(run))
     assert_one_line_error(run_cli("-m", "precision.compare", str(a), str(d), "--png", ""), "model")
 
 

@@ -122,8 +122,7 @@ def main(out: str) -> None:
     # Capacity 1.0 of a rank's 16 tokens at top-4 over 16 experts: 4 copies per expert, the skewed routing's
     # expert 0 gets 16 (12 dropped)
     cases = [("alltoall", 4, 1, "skewed", world, None), ("hierarchical", 2, 1, "skewed", world, None),
-             ("hierarchical", 4, 1, "uniform", world, None), ("alltoall", 4, 2, "skewed", world, None),
-             ("alltoall", 4, 1, "skewed", 2, None), ("hierarchical", 4, 1, "skewed", world, None),
+             ("alltoall", 4, 2, "skewed", world, None), ("alltoall", 4, 1, "skewed", 2, None),
              ("alltoall", 4, 1, "skewed", world, (1.0, "probs")),
              ("hierarchical", 4, 2, "skewed", world, (1.0, "position"))]
     results = []
