@@ -15,6 +15,8 @@ this rank's stage built and run by `parallel.pipeline.executor` over the schedul
   (same seed and name, so it starts equal), and the two copies' gradients are summed over the pair (first stage,
   last stage) before the update, so they stay equal; the norm counts it once (the first stage's).
 - The gradient norm adds every stage's squares over the pipeline group.
+- Every step checks that the stage ran its actions in the schedule's order and held no more activations than the
+  validator allows (the executor records both).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from mindspore import ParameterTuple, nn, ops
 from parallel.comm import AllReduce, ProcessGroups, transport_for
 from parallel.layout import Axis
 from parallel.pipeline.executor import PipelineExecutor
-from parallel.pipeline.schedules import build
+from parallel.pipeline.schedules import build, validate
 from telechat_moe.model import StageParts, TeleChatMoE
 from telechat_moe.moe.layer import ROUTING_STATS
 
@@ -167,6 +169,10 @@ class PipelineTrainStep:
         by_id = {id(w): a for w, a in zip(weights, self.accumulators)}
         name = "interleaved" if plan.chunks > 1 else "1f1b"
         self.schedule = build(name, p, plan.chunks, recipe.parallel_config.micro_batch_num)
+        # what every step must show: this stage's actions in the schedule's order, no more activations held
+        # than the validator allows
+        self.expected = list(self.schedule.actions[plan.stage])
+        self.allowed = validate(self.schedule).peak_in_flight[plan.stage]
         tp = recipe.layout.tp
         cfg = recipe.model
         self.tokens_per_rank = cfg.seq_length // tp if recipe.parallel_config.use_seq_parallel and tp > 1 \
@@ -212,6 +218,10 @@ class PipelineTrainStep:
         finite)."""
         b = microbatches[0][0].shape[0]
         result = self.executor.run(microbatches, (b, self.tokens_per_rank, self.cfg.hidden_size), scale)
+        if result.order != self.expected or result.peak_in_flight > self.allowed:
+            raise RuntimeError(f"pipeline stage {self.plan.stage} ran {[str(a) for a in result.order]} holding up "
+                               f"to {result.peak_in_flight} activations; the schedule says "
+                               f"{[str(a) for a in self.expected]} and at most {self.allowed}")
         if self.sum_shared is not None:
             self.sum_shared().asnumpy()
         norm, finite = self.update(grad_scale, lr)
