@@ -1,7 +1,7 @@
 """What a recipe costs before anything is allocated: parameters, FLOPs per token, memory per device."""
 from __future__ import annotations
 
-from parallel.ep.capacity import expert_capacity, rows_per_destination
+from parallel.ep.capacity import exchange_rows
 from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
 from telechat_moe.recipe import Recipe
 
@@ -57,8 +57,7 @@ def exchange_line(r: Recipe) -> str:
     sizes = group_sizes(lay, m.moe_token_dispatcher_type)
     hierarchical = m.moe_token_dispatcher_type == "hierarchical"
     sources, group = (sizes["ep_inter"], sizes["ep_node"]) if hierarchical else (1, sizes["ep"])
-    per_expert = None if cf is None else sources * expert_capacity(tokens, k, E, cf)
-    rows = group * int(rows_per_destination(sources * tokens, k, E // sources // group, per_expert))
+    rows = group * int(exchange_rows(sources * tokens, k, E // sources // group, E, cf, sources))
     how = "dropless" if cf is None else f"capacity factor {cf}"
     line = (f"expert exchange ({m.moe_token_dispatcher_type}, {how}): {rows:,} rows sent per rank, MoE layer and "
             f"token slice for {sources * tokens * k:,} routed copies ({rows / (sources * tokens * k):.1f}x)")

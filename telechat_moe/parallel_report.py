@@ -49,7 +49,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from math import prod
 
-from parallel.ep.capacity import expert_capacity, rows_per_destination
+from parallel.ep.capacity import exchange_rows
 from parallel.planner import tp_traffic
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
@@ -301,8 +301,7 @@ class _Rank:
         gradients. `rows` from `sources` ranks' tokens (parallel/ep/capacity.py sizes the buffers)."""
         cfg, h = self.cfg, self.h
         g, k, cf = self.sizes[group], cfg.num_experts_per_tok, cfg.moe_expert_capacity_factor
-        per_expert = None if cf is None else sources * expert_capacity(rows // sources, k, cfg.n_routed_experts, cf)
-        capacity = int(rows_per_destination(rows, k, experts // g, per_expert))
+        capacity = int(exchange_rows(rows, k, experts // g, cfg.n_routed_experts, cf, sources))
         what = f"{capacity} rows per destination, {'dropless' if cf is None else f'capacity factor {cf}'}"
         self.coll(where, f"dispatch AllToAll: token copies ({what})", "forward", "all_to_all", group,
                   (g * capacity, h), self.cdt)

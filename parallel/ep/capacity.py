@@ -13,7 +13,7 @@ of its group, whatever the routing. Two ways to size it:
   (`permute.drop_over_capacity`), so a destination gets at most its experts' capacity and the buffer is about
   c x T x k rows, what the copies need when the routing is balanced.
 
-`expert_capacity` and `rows_per_destination` take Python numbers (a graph folds them into shapes) or NumPy arrays
+`expert_capacity`, `rows_per_destination` and `exchange_rows` take Python numbers (a graph folds them into shapes) or NumPy arrays
 (the planner prices many layouts at once).
 """
 from __future__ import annotations
@@ -34,3 +34,12 @@ def rows_per_destination(rows, top_k: int, per_member, per_expert=None):
     at most top_k experts each, at most `per_expert` copies per expert (None: no capacity, dropless)."""
     worst = rows * _smaller(top_k, per_member)
     return worst if per_expert is None else _smaller(worst, per_member * per_expert)
+
+
+def exchange_rows(rows, top_k: int, per_member, num_experts, capacity_factor: float | None = None, sources=1):
+    """Rows per destination of an exchange of `rows` rows that come from `sources` ranks' tokens (rows/sources
+    each) routed top-k over `num_experts`: dropless (capacity_factor None), or each expert's capacity of every
+    source's tokens."""
+    per_expert = None if capacity_factor is None else \
+        sources * expert_capacity(rows // sources, top_k, num_experts, capacity_factor)
+    return rows_per_destination(rows, top_k, per_member, per_expert)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from parallel.ep.capacity import expert_capacity, rows_per_destination
+from parallel.ep.capacity import exchange_rows
 from parallel.layout import EP_SCHEMES, RECOMPUTE, ParallelLayout
 from parallel.planner import tp_traffic
 from parallel.planner.cluster import Cluster
@@ -289,10 +289,8 @@ class _Costing:
         if not self.w.padded_exchange:
             return self.Tl * k, self.Tl * k
         cf = s.expert_capacity_factor
-        per_expert = None if cf is None else expert_capacity(self.Tl, k, E, cf)
-        flat = self.ep * rows_per_destination(self.Tl, k, E / self.ep, per_expert)
-        inner = local * rows_per_destination(nodes * self.Tl, k, E / self.ep,
-                                             None if cf is None else nodes * per_expert)
+        flat = self.ep * exchange_rows(self.Tl, k, E / self.ep, E, cf)
+        inner = local * exchange_rows(nodes * self.Tl, k, E / self.ep, E, cf, nodes)
         return flat, inner
 
     def ep_all_to_all(self):

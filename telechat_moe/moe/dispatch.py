@@ -27,7 +27,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from parallel.comm import AllToAll, ProcessGroups, transport_for
-from parallel.ep.capacity import expert_capacity, rows_per_destination
+from parallel.ep.capacity import exchange_rows
 from parallel.ep.permute import expert_group_sizes, stable_order
 from parallel.layout import Axis, ParallelLayout
 
@@ -83,11 +83,8 @@ class _ExpertExchange(nn.Cell):
         self.back = AllToAll(transport)
 
     def capacity(self, rows: int) -> int:
-        if self.capacity_factor is None:
-            return rows_per_destination(rows, self.top_k, self.per_rank)
-        per_expert = self.sources * expert_capacity(rows // self.sources, self.top_k, self.all_experts,
-                                                    self.capacity_factor)
-        return int(rows_per_destination(rows, self.top_k, self.per_rank, per_expert))
+        return int(exchange_rows(rows, self.top_k, self.per_rank, self.all_experts, self.capacity_factor,
+                                 self.sources))
 
     def dispatch(self, x, experts, weights):
         """x [R, h]; experts, weights [R, k] (experts -1 where no copy) -> (tokens for this rank's experts sorted
