@@ -28,12 +28,6 @@ from telechat_moe.moe.layer import ROUTING_STATS, MoELayer
 from telechat_moe.mtp import MTPBlock
 
 
-def pipeline_cell_names():
-    """Where each pipeline unit lives in TeleChatMoE, for the pipeline binding (which knows no model)."""
-    from parallel.pipeline.mindspore_binding import CellNames
-    return CellNames(embedding=("embed_tokens",), layer="layers.{i}", mtp=("mtp.0",), head=("norm", "lm_head"))
-
-
 # Replicated weights inside a tensor-parallel region: each rank's gradient is its share (its heads, its tokens)
 INSIDE_REGIONS = (".self_attn.q_a_proj.", ".self_attn.q_a_layernorm.", ".self_attn.kv_a_proj_with_mqa.",
                   ".self_attn.kv_a_layernorm.", ".mlp.gate.")

@@ -2,8 +2,10 @@
 
 Scores every valid layout of the recipe's model on the cluster, balances the best by ILP, prints the top ones,
 and optionally writes the pick into a recipe (`--write`), draws step time against memory (`--png`), or scores one
-given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). Bad input: one line on stderr, exit code 2. It reads recipes,
-so it lives on the application's side of the planner library (parallel.planner), which knows no recipe.
+given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). `--export-mindformers OUT.yaml` scores the `--evaluate` layout,
+or else the recipe's own, and writes its pipeline plan as MindFormers' recipe keys
+(parallel.pipeline.mindformers_export). Bad input: one line on stderr, exit code 2. It reads recipes, so it lives
+on the application's side of the planner library (parallel.planner), which knows no recipe.
 """
 from __future__ import annotations
 
@@ -12,16 +14,20 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from oneline import InputError, OneLineParser
 from parallel.layout import EP_SCHEMES, RECOMPUTE, LayoutError, ParallelLayout, check_model_fit, global_batch_splits
 from parallel.planner.cost_model import Layouts, Workload, evaluate
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
-from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_recipe
+from parallel.pipeline.mindformers_export import export
+from parallel.pipeline.placement import Placement, PlacementOptions, balance, planner_units
+from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_atomically, write_recipe
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
-from parallel.planner.stage_ilp import even_assignment, score_assignment, solve_ilp
+from parallel.planner.stage_ilp import even_assignment, held_profiles, schedule_name, score_assignment, solve_ilp
 from telechat_moe.recipe import RecipeError, find_recipe, layout_error_text, load_recipe
-from telechat_moe.workload import recipe_ep_scheme, recipe_workload
+from telechat_moe.workload import memory_limit, recipe_ep_scheme, recipe_layout, recipe_workload
 
 PROG = "python -m telechat_moe.plan"
 EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
@@ -89,6 +95,45 @@ def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
     return layout
 
 
+def own_layout(w: Workload, recipe) -> ParallelLayout:
+    """The recipe's own layout, which holds only on the recipe's own device count and global batch."""
+    lay = recipe.layout
+    if w.devices != lay.world_size or w.global_batch % (lay.dp * lay.micro_batch_num):
+        raise PlanError(f"--export-mindformers: the recipe's layout is for {lay.world_size} devices and a global "
+                        f"batch divisible by {lay.dp * lay.micro_batch_num}; give the layout with --evaluate")
+    return recipe_layout(recipe, w)
+
+
+def recipe_placement(recipe, w: Workload, layout: ParallelLayout) -> Placement:
+    """The placement MILP's cut of the model for `layout`, as the trainer makes it (pipeline_step.stage_plan: the
+    planner's units, the step of the layout's micro-batches), here also under the recipe's device memory over the
+    micro-batches its schedule holds."""
+    options = PlacementOptions(micro_batches=layout.micro_batch_num, memory_limit=memory_limit(recipe, w))
+    held = held_profiles(layout.pp, layout.vpp, layout.micro_batch_num, schedule_name(layout))
+    return balance(planner_units(w, layout, options), layout.pp, layout.vpp, options, held)
+
+
+class _FlowLists(yaml.SafeDumper):
+    """Sections in block style, lists in flow style (`offset: [[1, 1], [1, -2]]`), as MindFormers' recipes write
+    them."""
+
+
+_FlowLists.add_representer(list, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
+
+
+def write_mindformers(path: str, recipe, w: Workload, layout: ParallelLayout, command: str) -> None:
+    """The layout's pipeline plan as MindFormers' recipe keys, in a YAML file (atomically)."""
+    placement = recipe_placement(recipe, w, layout)
+    keys = export(placement, schedule_name(layout), layout.micro_batch_num, layout).recipe_keys()
+    header = [f"# Written by: {command}",
+              f"# MindFormers' pipeline keys for {recipe.name} at {layout_text(layout)}, {schedule_name(layout)} "
+              f"schedule, on {w.cluster.name}; merge them into a MindFormers recipe.",
+              "# Placement (the placement MILP, as the trainer cuts the model):",
+              *(f"#   {line}" for line in placement.describe().splitlines())]
+    write_atomically(Path(path), "\n".join(header) + "\n"
+                     + yaml.dump(keys, Dumper=_FlowLists, sort_keys=False))
+
+
 def progress(label: str):
     """A progress line on a terminal; nothing when stderr is a file or pipe (it must stay one line on errors)."""
     def report(done: int, total: int) -> None:
@@ -154,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", help="write the best layout into this recipe file (inherits --recipe)")
     parser.add_argument("--evaluate", help="score one layout, e.g. tp=8,pp=16,vpp=2,ep=32,mbs=1,recompute=full")
     parser.add_argument("--png", help="draw step time against memory for the scored layouts")
+    parser.add_argument("--export-mindformers", metavar="OUT.yaml",
+                        help="write the pipeline plan of the --evaluate layout (default: the recipe's own) as "
+                             "MindFormers' recipe keys")
     args = parser.parse_args(argv)
     try:
         for name in ("devices", "seq", "global_batch", "top"):
@@ -161,15 +209,18 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and value < 1:
                 raise PlanError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
         recipe, recipe_path = read_recipe(args.recipe)
-        if args.write and recipe_path.resolve() == Path(args.write).resolve():
-            raise PlanError("--write: refusing to overwrite the input recipe; name a new file")
+        for option, out in (("--write", args.write), ("--export-mindformers", args.export_mindformers)):
+            if out and recipe_path.resolve() == Path(out).resolve():
+                raise PlanError(f"{option}: refusing to overwrite the input recipe; name a new file")
         args.devices = args.devices or recipe.layout.world_size
         w = recipe_workload(recipe, args.cluster, args.devices, args.seq, args.global_batch, args.dtype)
         print(f"model {recipe.name}: {w.shape.num_layers} layers, {w.shape.num_routed_experts} experts top-"
               f"{w.shape.top_k}; {w.devices} x {w.cluster.name} ({w.cluster.usable_memory / GIB:.1f} GiB usable), "
               f"seq {w.seq_length}, global batch {w.global_batch}, GEMMs in {w.precision.matmul_dtype}")
-        if args.evaluate:
-            candidates = run_evaluate(w, parse_layout(args.evaluate, w, recipe))
+        command = f"{PROG} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        if args.evaluate or args.export_mindformers:
+            layout = parse_layout(args.evaluate, w, recipe) if args.evaluate else own_layout(w, recipe)
+            candidates = run_evaluate(w, layout)
             result = None
         else:
             result, candidates = run_search(w, SearchSpace(), args.top)
@@ -184,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             if not candidates:
                 raise PlanError("--write: nothing to write, no layout fits")
-            command = f"{PROG} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
             write_recipe(args.write, recipe_path, candidates[0], w, command)
             print(f"wrote {args.write}")
+        if args.export_mindformers:
+            write_mindformers(args.export_mindformers, recipe, w, layout, command)
+            print(f"wrote MindFormers' pipeline keys to {args.export_mindformers}")
     except (InputError, OSError) as e:
         print(f"telechat_moe.plan: {e}", file=sys.stderr)
         return 2

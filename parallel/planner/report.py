@@ -117,8 +117,12 @@ def write_recipe(path: str, base_recipe: Path, c: Candidate, w: Workload, comman
         f"# Per stage (not yet recipe keys): {stage_text(c)}",
     ]
     body = {"base": base, **recipe_overrides(c, w)}
-    text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
-    fd, tmp = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
+    write_atomically(out, "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """All or nothing: a failed write leaves whatever `path` held before."""
+    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.replace(tmp, out)
+    os.replace(tmp, path)
