@@ -19,7 +19,7 @@ train: $(VENV)/.runtime
 	$(PY) run_train.py --recipe recipes/tiny.yaml
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 
 bench: $(VENV)/.test
 	$(PY) -m bench.train_throughput

@@ -220,15 +220,22 @@ class TeleChatMoE(nn.Cell):
         norm, in forward order (for tensor dumps)."""
         cos, sin = self.rope(position_ids)
         bias = self.attention_mask(segment_ids)
-        h = self.embed(input_ids)
-        outs = [h]
-        for layer in self.layers:
-            h = layer.attention_block(h, cos, sin, bias)
+        return self.chunk_outputs(input_ids, cos, sin, bias, 0, len(self.layers), True, True)[1]
+
+    def chunk_outputs(self, x, cos, sin, bias, start: int, end: int, first: bool, last: bool):
+        """`layer_outputs` of a pipeline chunk, layers [start, end): (the stream it passes on, its outputs). On the
+        first chunk `x` are token ids and the embedding is its first output; on the last the final norm is its
+        last."""
+        h = self.embed(x) if first else x
+        outs = [h] if first else []
+        for i in range(start, end):
+            h = self.layers[i].attention_block(h, cos, sin, bias)
             outs.append(h)
-            h = layer.ffn_block(h)[0]
+            h = self.layers[i].ffn_block(h)[0]
             outs.append(h)
-        outs.append(self.norm(h))
-        return tuple(outs)
+        if last:
+            outs.append(self.norm(h))
+        return h, tuple(outs)
 
     def head_losses(self, h, labels, loss_mask, cos, sin, bias, aux, z, loads):
         """Everything after the decoder layers: final norm, head, MTP blocks, and the losses."""

@@ -1,6 +1,7 @@
 """Pipeline parallelism in the trainer (`pipeline_stage > 1`): the model cut into p x v chunks by the placement MILP,
-this rank's stage built and run by `parallel.pipeline.executor` over the schedule of the recipe (1F1B, interleaved
-1F1B when pp_interleave_num > 1), then one graph that reduces, clips and applies the accumulated gradients.
+this rank's stage built and run by `parallel.pipeline.executor` over the schedule of the recipe
+(`parallel_config.pipeline_scheduler`: 1f1b, which is interleaved 1F1B when pp_interleave_num > 1, or gpipe), then
+one graph that reduces, clips and applies the accumulated gradients.
 
 - Placement: `balance` (parallel/pipeline/placement.py) over the planner's units of the recipe's model on the
   cluster that prices this machine (`clusters/cpu.yaml` on CPU, ascend910b on Ascend): segment k = chunk k // p of
@@ -17,10 +18,16 @@ this rank's stage built and run by `parallel.pipeline.executor` over the schedul
 - The gradient norm adds every stage's squares over the pipeline group.
 - Every step checks that the stage ran its actions in the schedule's order and held no more activations than the
   validator allows (the executor records both).
+- Recompute: a chunk's backward recomputes its forward (the executor holds only each in-flight micro-batch's chunk
+  input: a graph's intermediate tensors cannot be handed to another graph), so every chunk runs as under full
+  recompute whatever recompute_config says; its selective setting marks layers inside the chunk's graph as usual.
+- Tensor dumps: the chunks' layer outputs come from a forward-only pass through the pipeline before the step
+  (`layer_outputs`), the reduced gradients from the update (`return_grads`); the trainer puts the stages together.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import mindspore as ms
@@ -28,7 +35,7 @@ from mindspore import ParameterTuple, nn, ops
 
 from parallel.comm import AllReduce, ProcessGroups, transport_for
 from parallel.layout import Axis
-from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.executor import PipelineExecutor, PipelineResult
 from parallel.pipeline.schedules import build, validate
 from telechat_moe.model import StageParts, TeleChatMoE
 from telechat_moe.moe.layer import ROUTING_STATS
@@ -102,6 +109,32 @@ class StageChunk(nn.Cell):
         return h, total, ops.stop_gradient(parts)
 
 
+class LayerOutputsChunk(nn.Cell):
+    """Chunk k for a tensor dump, run forward-only: (the stream for the next chunk, zero, its `chunk_outputs`
+    stacked [outputs, b, s', h]; a chunk without outputs, a middle one with no layers, returns its input once,
+    which nobody reads)."""
+
+    def __init__(self, model: TeleChatMoE, start: int, end: int, first: bool, last: bool):
+        super().__init__(auto_prefix=False)
+        self.model, self.start, self.end, self.first, self.last = model, start, end, first, last
+        self.zero = ms.Tensor(0.0, ms.float32)
+
+    def construct(self, x, labels, loss_mask, segment_ids, position_ids):
+        m = self.model
+        cos, sin = m.rope(position_ids)
+        h, outs = m.chunk_outputs(x, cos, sin, m.attention_mask(segment_ids), self.start, self.end, self.first,
+                                  self.last)
+        if len(outs) == 0:
+            return h, self.zero, ops.expand_dims(h, 0)
+        return h, self.zero, ops.stack(outs)
+
+
+def chunk_output_count(bounds, k: int) -> int:
+    """How many `chunk_outputs` chunk k of a cut with these layer bounds has (embedding, two per layer, norm)."""
+    start, end = bounds[k]
+    return 2 * (end - start) + (k == 0) + (k == len(bounds) - 1)
+
+
 def router_index(model: TeleChatMoE, start: int, end: int, last: bool) -> list[int]:
     """The global router indices (the model's expert-load order: MoE layers, then MTP) of a chunk's routers."""
     moe = [i for i in range(model.cfg.num_hidden_layers) if model.cfg.is_moe_layer(i)]
@@ -135,7 +168,7 @@ class PipelineUpdate(nn.Cell):
         self.accumulators, self.prepare, self.optimizer = accumulators, prepare, optimizer
         self.map = ops.HyperMap()
 
-    def construct(self, grad_scale, lr):
+    def construct(self, grad_scale, lr, return_grads: bool):
         grads = ()
         for i in range(len(self.accumulators)):
             grads = grads + (self.accumulators[i] * 1,)
@@ -144,11 +177,23 @@ class PipelineUpdate(nn.Cell):
         if finite:
             self.optimizer(grads)
         self.map(_zero, self.accumulators)
+        if return_grads:        # a dump step: the reduced gradients (TrainStep returns them only then too)
+            return norm, finite, grads
         return norm, finite
 
 
 def _zero(p):
     return ops.assign(p, ops.zeros_like(p))
+
+
+@dataclass
+class PipelineStepResult:
+    loss_parts: np.ndarray          # this rank's loss parts summed over its chunks, per micro-batch mean [5]
+    loads: np.ndarray               # its routers' statistics [routers, E + ROUTING_STATS]
+    norm: Any                       # the global gradient norm (a Tensor)
+    finite: bool
+    record: PipelineResult          # what the executor ran and when (order, timeline, activations held)
+    grads: tuple | None = None      # the reduced gradients, on a dump step
 
 
 class PipelineTrainStep:
@@ -167,8 +212,11 @@ class PipelineTrainStep:
             self.routers[k] = router_index(model, start, end, k == last)
         self.accumulators = weights.clone(prefix="grad_accum", init="zeros")
         by_id = {id(w): a for w, a in zip(weights, self.accumulators)}
-        name = "interleaved" if plan.chunks > 1 else "1f1b"
+        scheduler = recipe.parallel_config.pipeline_scheduler
+        name = "gpipe" if scheduler == "gpipe" else "interleaved" if plan.chunks > 1 else "1f1b"
         self.schedule = build(name, p, plan.chunks, recipe.parallel_config.micro_batch_num)
+        self.bounds = plan.bounds
+        self.dump_chunks = None     # LayerOutputsChunks, built on the first dump step
         # what every step must show: this stage's actions in the schedule's order, no more activations held
         # than the validator allows
         self.expected = list(self.schedule.actions[plan.stage])
@@ -213,9 +261,8 @@ class PipelineTrainStep:
                 loads[rows] += st[LOSS_PARTS:].reshape(len(rows), self.experts)
         return parts, loads
 
-    def run(self, microbatches: list, scale: float, grad_scale, lr):
-        """-> (this rank's loss parts summed over chunks, per micro-batch mean [5], its routing statistics, norm,
-        finite)."""
+    def run(self, microbatches: list, scale: float, grad_scale, lr, return_grads: bool = False
+            ) -> PipelineStepResult:
         b = microbatches[0][0].shape[0]
         result = self.executor.run(microbatches, (b, self.tokens_per_rank, self.cfg.hidden_size), scale)
         if result.order != self.expected or result.peak_in_flight > self.allowed:
@@ -224,9 +271,23 @@ class PipelineTrainStep:
                                f"{[str(a) for a in self.expected]} and at most {self.allowed}")
         if self.sum_shared is not None:
             self.sum_shared().asnumpy()
-        norm, finite = self.update(grad_scale, lr)
+        norm, finite, *grads = self.update(grad_scale, lr, return_grads)
         parts, loads = self._collect(result.stats)
-        return parts / len(microbatches), loads, norm, bool(finite.asnumpy()), result
+        return PipelineStepResult(parts / len(microbatches), loads, norm, bool(finite.asnumpy()), result,
+                                  grads[0] if return_grads else None)
+
+    def layer_outputs(self, microbatches: list) -> dict[int, np.ndarray]:
+        """Chunk k held here -> its `chunk_outputs` over the micro-batches [outputs, b, s', h] (a forward-only pass
+        through the pipeline, every stage taking part)."""
+        last = len(self.bounds) - 1
+        if self.dump_chunks is None:
+            self.dump_chunks = {k: LayerOutputsChunk(self.model, *self.bounds[k], k == 0, k == last)
+                                for k in self.plan.mine()}
+        b = microbatches[0][0].shape[0]
+        stats = self.executor.forward_only(microbatches, (b, self.tokens_per_rank, self.cfg.hidden_size),
+                                           chunks=self.dump_chunks)
+        return {k: np.concatenate([stats[(mb, k)][:chunk_output_count(self.bounds, k)]
+                                   for mb in range(len(microbatches))], axis=1) for k in self.plan.mine()}
 
     def evaluate(self, microbatch: tuple) -> np.ndarray:
         """This rank's loss parts [5] of one forward (the LM loss on the last stage, zeros elsewhere)."""

@@ -51,6 +51,9 @@ class ParallelConfig:
     expert_model_parallel: int = 1
     context_parallel: int = 1
     micro_batch_num: int = 1
+    # the pipeline's schedule (MindFormers' parallel.pipeline_config.pipeline_scheduler): 1f1b (interleaved 1F1B
+    # when pp_interleave_num > 1) or gpipe (every forward, then every backward: more activations in flight)
+    pipeline_scheduler: str = "1f1b"
     use_seq_parallel: bool = False
     devices_per_node: int = 8
     optimizer_shard: bool = True        # MindFormers' enable_parallel_optimizer (ZeRO-1)
@@ -383,6 +386,8 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
              f"training.global_batch_size: {t.global_batch_size} is not divisible by data_parallel*micro_batch_num "
              f"= {layout.dp * p.micro_batch_num}")
     require(t.train_steps >= 1, f"training.train_steps: expected at least 1, got {t.train_steps}")
+    require(p.pipeline_scheduler in ("1f1b", "gpipe"),
+            f"parallel_config.pipeline_scheduler: expected 1f1b or gpipe, got {p.pipeline_scheduler!r}")
     for key in ("log_interval", "save_interval", "eval_interval", "keep_checkpoints", "eval_batches"):
         require(getattr(t, key) >= 0, f"training.{key}: expected 0 or more, got {getattr(t, key)}")
     require(t.loss_scale in ("auto", "dynamic", "none") or _is_number(t.loss_scale),
@@ -481,14 +486,11 @@ def check_trainable(r: Recipe, processes: int) -> None:
 
 def _check_pipeline(r: Recipe) -> None:
     """What the multi-process pipeline (telechat_moe/pipeline_step.py) runs beyond a valid layout (whose schedule
-    validate() checked): an untied head, and no tensor dumps yet."""
+    validate() checked): an untied head."""
     p, m = r.parallel_config, r.model
     require(not m.tie_word_embeddings,
             f"model.tie_word_embeddings: a head tied to the embedding is not trained yet under pipeline "
             f"parallelism (pipeline_stage={p.pipeline_stage}); untie it or use pipeline_stage=1")
-    require(not r.training.dump_steps,
-            f"training.dump_steps: tensor dumps are not written yet under pipeline parallelism "
-            f"(pipeline_stage={p.pipeline_stage})")
 
 
 def _check_tensor_parallel(r: Recipe) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -35,7 +36,7 @@ from parallel.tp.mappings import TensorParallel
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
 from telechat_moe.dry_run import DTYPE_BYTES
-from telechat_moe.metrics import StepLogger, Timer, info
+from telechat_moe.metrics import StepLogger, Timer, info, keep_records_until
 from telechat_moe.model import AbsentLayer, TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.router import expert_bias_delta
@@ -215,9 +216,7 @@ class MoveExpertBiases(nn.Cell):
 
 
 class OverRanks(nn.Cell):
-    """One collective over the data-parallel ranks (the world group on CPU): ops.AllReduce() sums a tensor,
-    ops.AllGather() concatenates every rank's along axis 0 in rank order (a rank's batch slice back into the
-    global batch)."""
+    """One collective over every rank (the world group), such as ops.AllReduce(), which sums a tensor."""
 
     def __init__(self, collective):
         super().__init__()
@@ -355,6 +354,7 @@ class Trainer:
                                   cost_model=cost, max_context_loss=d.max_context_loss)
         self.step = 0
         self.dumper = self._dump_writer()
+        self.timeline = None        # the pipeline's per-step timeline file, opened by _begin
 
         shape = cfg.to_model_shape()
         from parallel.planner.model_shape import flops_per_token
@@ -374,42 +374,62 @@ class Trainer:
         if not t.dump_steps:
             return None
         from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
-        self.layer_outputs = LayerOutputs(self.model)
-        self.gather_over_ranks = OverRanks(ops.AllGather()) if self.world > 1 else None
+        self.layer_outputs = LayerOutputs(self.model) if self.pipeline is None else None
+        # a pipeline stage holds some layers: the dump puts every stage's tensors together over the pipeline group
+        self.stage_group = transport_for(ProcessGroups(self.r.layout, self.rank).axis(Axis.PP),
+                                         self.r.context.device_target) if self.pipeline is not None else None
         meta = {"model_config_hash": config_hash(self.r.model.function()), "layout": layout_meta(self.r.layout),
                 "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
         return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
                           steps=parse_steps(t.dump_steps, "training.dump_steps"), rank=self.rank)
 
-    def _forward_records(self, batch: dict) -> list:
-        from precision.dump import TensorRecord
-        # micro-batch by micro-batch, as the step computes (a capacity factor drops per micro-batch's tokens)
-        mb = batch["input_ids"].shape[0] // self.micro
-        parts = []
-        for i in range(self.micro):
-            ids, _, _, segments, positions = self._tensors(batch, slice(i * mb, (i + 1) * mb))
-            parts.append(self.layer_outputs(ids, segments, positions))
-        outs = [ops.concat(pieces, 0) for pieces in zip(*parts)]
-        if self.gather_over_ranks is not None:  # the global batch: a parallel run compares with any layout's
-            outs = [self._global_batch(self.gather_over_ranks(o).asnumpy()) for o in outs]
-        # (name, layer, operator) of each output: the embedding, per layer the stream after attention and after
-        # the FFN (MoE or dense), the final norm
+    def _forward_places(self) -> list[tuple[str, int | None, str]]:
+        """(name, layer, operator) of the dump's forward tensors (`TeleChatMoE.layer_outputs`), in forward order:
+        the embedding, per layer the stream after attention and after the FFN (MoE or dense), the final norm."""
+        cfg = self.r.model
         where = [("embed_tokens", None, "embed_tokens")]
-        for i, layer in enumerate(self.model.layers):
-            where += [(f"layers.{i}.self_attn", i, "self_attn"), (f"layers.{i}", i, "moe" if layer.is_moe else "mlp")]
-        where.append(("norm", None, "norm"))
-        return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=self.r.model.hidden_size, dims="bsh")
-                for (name, layer, op), out in zip(where, outs)]
+        for i in range(cfg.num_hidden_layers):
+            where += [(f"layers.{i}.self_attn", i, "self_attn"), (f"layers.{i}", i, "moe" if cfg.is_moe_layer(i)
+                                                                                else "mlp")]
+        return where + [("norm", None, "norm")]
 
-    def _global_batch(self, gathered: np.ndarray) -> np.ndarray:
-        """Every rank's [b, s', h] in world-rank order -> the global batch [dp*b, s, h]: one copy per data-parallel
-        rank, its sequence shards put together under sequence parallelism (ranks are tp-fastest; pp = cp = 1)."""
-        tp = self.tp.tp
-        if tp == 1:
-            return gathered
-        parts = gathered.reshape((-1, tp, gathered.shape[0] // self.world) + gathered.shape[1:])  # [dp, tp, b, s', h]
-        whole = np.concatenate([parts[:, t] for t in range(tp)], axis=2) if self.tp.sp else parts[:, 0]
-        return whole.reshape((-1,) + whole.shape[2:])
+    def _forward_records(self, batch: dict) -> list:
+        """The forward tensors of the global batch, micro-batch by micro-batch as the step computes (a capacity
+        factor drops per micro-batch's tokens), so that a parallel run compares with any layout's."""
+        from parallel.comm.named import all_gather_named
+        from precision.dump import TensorRecord
+        local = batch["input_ids"].shape[0]
+        mb = local // self.micro
+        places = self._forward_places()
+        if self.pipeline is not None:
+            micro = self.pipeline.microbatches(lambda rows: self._tensors(batch, rows), local, self.micro)
+            mine = {}
+            for k, stacked in self.pipeline.layer_outputs(micro).items():
+                first = 0 if k == 0 else 1 + 2 * self.plan.bounds[k][0]     # chunk k's outputs: a run of places
+                mine.update((places[first + j][0], out) for j, out in enumerate(self._global_batch(stacked)))
+            whole = {}
+            for stage in all_gather_named(self.stage_group, mine):
+                whole.update(stage)
+            outs = [whole[name] for name, _, _ in places]
+        else:
+            parts = []
+            for i in range(self.micro):
+                ids, _, _, segments, positions = self._tensors(batch, slice(i * mb, (i + 1) * mb))
+                parts.append(self.layer_outputs(ids, segments, positions))
+            outs = [self._global_batch(ops.concat(pieces, 0).asnumpy()) for pieces in zip(*parts)]
+        return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=self.r.model.hidden_size, dims="bsh")
+                for (name, layer, op), out in zip(places, outs)]
+
+    def _global_batch(self, out: np.ndarray) -> np.ndarray:
+        """This rank's [..., b, s', h] -> the global batch's [..., dp*b, s, h]: its sequence shards put together
+        over the tensor-parallel group under sequence parallelism, then the data-parallel ranks' rows in order."""
+        def gather(transport, x, axis):
+            moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+            return np.moveaxis(transport.all_gather(Tensor(moved)).asnumpy(), 0, axis)
+
+        if self.tp.sp:
+            out = gather(self.groups.tp, out, -2)
+        return gather(self.groups.dp, out, -3)
 
     def _dump(self, step: int, forward: list, values: dict, grads) -> None:
         from precision.capture import grad_records, optimizer_records
@@ -418,11 +438,35 @@ class Trainer:
         opt = self.optimizer
         records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
         # the whole model's tensors: a routed expert's gathered from the EP group, a tensor-parallel slice from the
-        # tp group, so any layout aligns with any
-        records += grad_records(names, [self._whole(n, g) for n, g in zip(names, grads)])
-        records += optimizer_records({"adam_m": [self._whole(n, m) for n, m in zip(names, opt.exp_avg)],
-                                      "adam_v": [self._whole(n, v) for n, v in zip(names, opt.exp_avg_sq)]}, names)
+        # tp group, a pipeline stage's from the pipeline group, so any layout aligns with any
+        states = {"grad": [self._whole(n, g) for n, g in zip(names, grads)],
+                  "adam_m": [self._whole(n, m) for n, m in zip(names, opt.exp_avg)],
+                  "adam_v": [self._whole(n, v) for n, v in zip(names, opt.exp_avg_sq)]}
+        if self.pipeline is not None:
+            names, states = self._whole_pipeline(names, states)
+        records += grad_records(names, states["grad"])
+        records += optimizer_records({"adam_m": states["adam_m"], "adam_v": states["adam_v"]}, names)
         self.dumper.write(step, records)
+
+    def _whole_pipeline(self, names: list[str], states: dict) -> tuple[list[str], dict]:
+        """Every stage's weights and their states on every rank, in the one-process model's order (weights that
+        decay first, each group in forward order: the embedding, the layers, the head and MTP); the embedding's
+        copy on the last stage (MTP's) equals the first stage's and is taken once."""
+        from parallel.comm.named import all_gather_named
+        from precision.capture import layer_of
+        from precision.dump import to_numpy
+        mine = {f"{kind}/{n}": to_numpy(v)[0] for kind, values in states.items() for n, v in zip(names, values)}
+        stages = all_gather_named(self.stage_group, mine)
+        layers, keyed, seen = self.r.model.num_hidden_layers, [], set()
+        for stage, held in enumerate(stages):
+            for i, n in enumerate(key.split("/", 1)[1] for key in held if key.startswith("grad/")):
+                if n not in seen:
+                    seen.add(n)
+                    layer = layer_of(n)
+                    part = layer if layer is not None else -1 if stage == 0 else layers
+                    keyed.append(((held[f"grad/{n}"].ndim < 2, part, i), n, stage))
+        keyed.sort()
+        return [n for _, n, _ in keyed], {kind: [stages[s][f"{kind}/{n}"] for _, n, s in keyed] for kind in states}
 
     def _whole(self, name: str, tensor):
         axis = self._tp_axes.get(name)
@@ -523,9 +567,10 @@ class Trainer:
         sums, loads, grads = np.zeros(5), None, None
         if self.pipeline is not None:
             micro = self.pipeline.microbatches(lambda rows: self._tensors(batch, rows), local, self.micro)
-            sums, loads, norm, finite, _ = self.pipeline.run(micro, self.scaler.scale, grad_scale,
-                                                             Tensor(lr, ms.float32))
-            sums = sums * self.micro
+            result = self.pipeline.run(micro, self.scaler.scale, grad_scale, Tensor(lr, ms.float32), dumping)
+            sums, loads, norm, finite, grads = (result.loss_parts * self.micro, result.loads, result.norm,
+                                                result.finite, result.grads)
+            self._write_timeline(result.record)
         else:
             for i in range(self.micro):
                 last = i == self.micro - 1
@@ -617,6 +662,22 @@ class Trainer:
             (self.out / "logs").mkdir(parents=True, exist_ok=True)
             (self.out / "logs" / "recipe.yaml").write_text(yaml.safe_dump(self.r.to_dict(), sort_keys=False))
         self.logger.open(self.step)
+        if self.pipeline is not None:
+            path = self.out / "logs" / "pipeline_timeline" / f"rank_{self.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            keep_records_until(path, self.step)
+            self.timeline = open(path, "a", encoding="utf-8")
+
+    def _write_timeline(self, record) -> None:
+        """This stage's step as the executor ran it, one JSON line per step (parallel/pipeline/timeline.py;
+        `python -m scripts.pipeline_timeline` draws a step beside its simulation). With the process's peak resident
+        set so far, beside the activations the schedule held."""
+        from parallel.pipeline.timeline import StageTimeline
+        line = {"step": self.step + 1, "rank": self.rank, "pipeline": min(self.r.layout.group_of(Axis.PP, self.rank)),
+                **StageTimeline.of(self.pipeline.schedule, record).to_json(),
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        self.timeline.write(json.dumps(line) + "\n")
+        self.timeline.flush()
 
     def fit(self) -> dict:
         t = self.r.training
@@ -646,6 +707,8 @@ class Trainer:
                     self.save()
         finally:
             self.logger.close()     # also when a step fails: what was logged is on disk
+            if self.timeline is not None:
+                self.timeline.close()
         summary = {**last, "eval_lm_loss": eval_loss}
         if self.main:
             (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,8 +1,10 @@
 """The multi-process pipeline executor (parallel/pipeline/executor.py) under msrun with 2 processes (CPU transport):
-1F1B at pp=2 and interleaved 1F1B at pp=2 x v=2, m=4, on a tiny MLP. The losses and every chunk's accumulated
-gradients equal the one-process model's, each rank runs exactly its stage's actions in the schedule's order, and
-it never holds more activations than the validator allows. Plus the pure check of the transfer order: on every
-pair of stages both ends issue the same transfers in the same order."""
+1F1B at pp=2, interleaved 1F1B at pp=2 x v=2 and GPipe at pp=2, m=4, on a tiny MLP. The losses and every chunk's
+accumulated gradients equal the one-process model's, each rank runs exactly its stage's actions in the schedule's
+order, and it never holds more activations than the validator allows (GPipe all m, 1F1B p - stage: the bytes
+measured follow); the two stages' recorded timelines make one measured timeline and its simulation
+(parallel/pipeline/timeline.py). Plus the pure check of the transfer order: on every pair of stages both ends issue
+the same transfers in the same order."""
 from __future__ import annotations
 
 
@@ -10,6 +12,7 @@ import pytest
 
 from parallel.pipeline.executor import Compute, Transfer, program
 from parallel.pipeline.schedules import build
+from parallel.pipeline.timeline import StageTimeline, compare
 from tests.helpers import run_workers
 
 
@@ -29,7 +32,7 @@ def test_every_pair_issues_its_transfers_in_one_order(name, p, v, m):
 def test_pipeline_over_two_processes_equals_one_process(tmp_path):
     ranks = run_workers(tmp_path, "pipeline_worker.py", 2)
     for rank, results in enumerate(ranks):
-        assert [c["case"] for c in results] == ["1f1b", "interleaved"]
+        assert [c["case"] for c in results] == ["1f1b", "interleaved", "gpipe"]
         for case in results:
             tag = (rank, case["case"])
             assert case["stage"] == rank, tag
@@ -48,3 +51,20 @@ def test_pipeline_over_two_processes_equals_one_process(tmp_path):
         assert abs(case["loss_sum"] - case["ref_loss_sum"]) <= case["tolerance"] * abs(case["ref_loss_sum"])
         print(f"{case['case']}: summed loss {case['loss_sum']:.7f} vs one process {case['ref_loss_sum']:.7f}")
     assert all(not c["losses"] for c in ranks[0])
+    activation = 3 * 8 * 4      # one micro-batch's chunk input [B, H] = [3, 8] in float32 (the worker's sizes)
+    one_f_one_b, _, gpipe = ranks[0]
+    assert (gpipe["peak_in_flight"], one_f_one_b["peak_in_flight"]) == (4, 2)
+    for case in (gpipe, one_f_one_b):
+        assert case["peak_in_flight_bytes"] == case["peak_in_flight"] * activation, case["case"]
+    for i, name in enumerate(("1f1b", "interleaved", "gpipe")):
+        result = compare([StageTimeline.from_json(ranks[s][i]["timeline"]) for s in range(2)])
+        actions = [iv for iv in result.measured.intervals if iv.kind in ("F", "B")]
+        v = 2 if name == "interleaved" else 1
+        assert len(actions) == 2 * 4 * v * 2 and all(iv.end >= iv.start >= 0 for iv in actions), name
+        assert result.measured.step_time >= max(iv.end for iv in actions) - 1e-9
+        assert 0 < result.measured_idle < 1 and 0 <= result.simulated_idle < 1, name
+        # the simulation runs the measured chunk times: its compute per stage is theirs, up to the median
+        assert result.simulated.step_time >= max(sum(c) for c in result.costs.forward), name
+        print(f"{name}: step measured {result.measured.step_time * 1e3:.1f} ms, simulated "
+              f"{result.simulated.step_time * 1e3:.1f} ms; idle {100 * result.measured_idle:.0f}% vs "
+              f"{100 * result.simulated_idle:.0f}%")

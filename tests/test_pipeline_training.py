@@ -1,13 +1,15 @@
 """Pipeline parallelism in the trainer (telechat_moe/pipeline_step.py) across real processes: tiny on 4 processes as
 pipeline_stage=2 x pp_interleave_num=2 (interleaved 1F1B, the placement MILP's chunks) x data_parallel=2 with
 expert_parallel=2 inside each stage, 2 micro-batches, against the one-process run: every logged loss and gradient
-norm per step, and the held-out loss (a forward-only pass through the pipeline)."""
+norm per step, the held-out loss (a forward-only pass through the pipeline), and precision.compare on the tensor
+dumps of steps 1-2 (every stage's layer outputs, gradients and Adam moments put together); the timeline each rank
+recorded draws as a measured step beside its simulation (scripts/pipeline_timeline)."""
 from __future__ import annotations
 
 import json
 
 from tests.conftest import PARALLEL_COMMON
-from tests.helpers import assert_losses_match, msrun
+from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli
 from tests.test_training import SHORT, sets
 
 
@@ -17,10 +19,16 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
                        *sets(*SHORT, *PARALLEL_COMMON, "parallel_config.pipeline_stage=2",
                              "parallel_config.pp_interleave_num=2", "parallel_config.data_parallel=2",
                              "parallel_config.expert_parallel=2", "parallel_config.micro_batch_num=2",
-                             f"data.tokenizer={one / 'tokenizer.model'}", f"output_dir={out}"), cluster_time_out=120)
+                             "training.dump_steps=1-2", f"data.tokenizer={one / 'tokenizer.model'}",
+                             f"output_dir={out}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "[pipeline] layers per chunk" in logs
     assert_losses_match(one, out, range(1, 5), "pp=2 x vpp=2 x dp=2 x ep=2")
+    assert_no_divergence(one, out)
+    drawn = run_cli("-m", "scripts.pipeline_timeline", str(out), "--pipeline", "1", "--png-dir", str(tmp_path))
+    assert drawn.returncode == 0, drawn.stderr
+    assert "idle share: measured" in drawn.stdout and (tmp_path / "measured.png").stat().st_size > 10_000
+    print(drawn.stdout)
     held = [json.loads((run / "logs" / "summary.json").read_text())["eval_lm_loss"] for run in (one, out)]
     print(f"held-out lm_loss: one process {held[0]:.7f}, pipeline {held[1]:.7f}")
     assert abs(held[1] - held[0]) <= 1e-5 * abs(held[0])

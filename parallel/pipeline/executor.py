@@ -111,6 +111,7 @@ class PipelineResult:
     transfers: list[TransferRecord]
     peak_in_flight: int                            # most stored chunk inputs (activations) held at once
     peak_buffered: int                             # most received tensors waiting for their consumer
+    peak_in_flight_bytes: int = 0                  # the bytes of those stored inputs at their most
     program: list = field(default_factory=list)    # this rank's events, in order
 
 
@@ -289,7 +290,7 @@ class PipelineExecutor:
         shapes: dict[tuple[int, int], tuple] = {}    # (mb, k) -> shapes of chunk k's outputs (y, stats)
         losses, stats = {}, {}
         order, log, tlog = [], [], []
-        peak = peak_buf = 0
+        peak = peak_buf = held = peak_held = 0
         for e in self.program:
             if isinstance(e, Transfer):
                 key = (e.direction, e.mb, e.k)
@@ -314,6 +315,8 @@ class PipelineExecutor:
                 stored[(a.microbatch, k)] = x
                 shapes[(a.microbatch, k)] = (y, st)
                 peak = max(peak, len(stored))
+                held += x.nbytes
+                peak_held = max(peak_held, held)
                 stats[(a.microbatch, k)] = st.asnumpy()
                 if k == self.last:
                     losses[a.microbatch] = float(loss.asnumpy())
@@ -321,6 +324,7 @@ class PipelineExecutor:
                     outbox[(Kind.F, a.microbatch, k)] = y
             else:
                 x = stored.pop((a.microbatch, k))
+                held -= x.nbytes
                 y, st = shapes.pop((a.microbatch, k))
                 dy = ops.zeros_like(y) if k == self.last else inbox.pop((Kind.B, a.microbatch, k + 1))
                 dx = self.bwd[k](x, *side, dy, sens, ops.zeros_like(st))
@@ -331,13 +335,16 @@ class PipelineExecutor:
             order.append(a)
         if stored or inbox or outbox:
             raise ExecutorError("activations or gradients left over after the schedule: it does not close")
-        return PipelineResult(self.stage, losses, stats, order, log, tlog, peak, peak_buf, self.program)
+        return PipelineResult(self.stage, losses, stats, order, log, tlog, peak, peak_buf, peak_held, self.program)
 
-    def forward_only(self, microbatches: Sequence[tuple], activation_shape: Sequence[int] | None = None
-                     ) -> dict[tuple[int, int], np.ndarray]:
+    def forward_only(self, microbatches: Sequence[tuple], activation_shape: Sequence[int] | None = None,
+                     chunks: dict | None = None) -> dict[tuple[int, int], np.ndarray]:
         """Each micro-batch through the chunks, no backward: (micro-batch, chunk k held here) -> its stats (the
-        last chunk's loss is also its stats' first entry, as the caller's chunk defines). Transfers in
-        (micro-batch, chunk) order, the same on every rank, so that both ends of each meet."""
+        last chunk's loss is also its stats' first entry, as the caller's chunk defines). `chunks`: other Cells of
+        the same contract for the chunks held here (k -> Cell; e.g. ones whose stats are what a tensor dump
+        records); by default the training chunks. Transfers in (micro-batch, chunk) order, the same on every rank,
+        so that both ends of each meet."""
+        run = self.fwd if chunks is None else chunks
         from mindspore import Tensor
         p = self.schedule.stages
         shape = tuple(activation_shape or self.shape)
@@ -349,7 +356,7 @@ class PipelineExecutor:
             for k in range(self.last + 1):
                 here, nxt = k % p, (k + 1) % p
                 if here == self.stage:
-                    y, _, st = self.fwd[k](x, *side)
+                    y, _, st = run[k](x, *side)
                     stats[(mb, k)] = st.asnumpy()
                     x = y
                 if k == self.last or here == nxt:

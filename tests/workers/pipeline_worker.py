@@ -18,6 +18,7 @@ from mindspore.communication import get_group_size, get_rank, init
 from parallel.layout import ParallelLayout
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.schedules import build, validate
+from parallel.pipeline.timeline import StageTimeline
 from precision.tolerance import chain_tolerance, relative_error
 
 B, H, LAYERS, M = 3, 8, 4, 4
@@ -131,7 +132,8 @@ def run_case(rank, world, name, v, microbatches):
            "order": [str(a) for a in res.order], "schedule_order": [str(a) for a in schedule.actions[res.stage]],
            "order_rerun_equal": [str(a) for a in res2.order] == [str(a) for a in res.order],
            "peak_in_flight": res.peak_in_flight, "validator_peak": validate(schedule).peak_in_flight[res.stage],
-           "peak_buffered": res.peak_buffered,
+           "peak_buffered": res.peak_buffered, "peak_in_flight_bytes": res.peak_in_flight_bytes,
+           "timeline": StageTimeline.of(schedule, res2).to_json(),
            "log": [[str(r.action), r.chunk, r.start, r.end] for r in res2.log],
            "transfers": len(res.transfers), "first_step_s": first_step, "warm_step_s": warm_step}
     if res.losses:
@@ -149,7 +151,7 @@ def main(out: str) -> None:
     microbatches = [(rng.normal(size=(B, H)).astype(np.float32), rng.normal(size=(B, H)).astype(np.float32))
                     for _ in range(M)]
     results = []
-    for name, v in (("1f1b", 1), ("interleaved", 2)):
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("gpipe", 1)):
         results.append(run_case(rank, world, name, v, microbatches))
         r = results[-1]
         print(f"rank {rank}: {name}: worst {max(r['errors'].values()):.2e} peak {r['peak_in_flight']}/"

@@ -1,0 +1,129 @@
+"""A measured pipeline step beside its simulation.
+
+Each rank's executor records when every action and transfer of a step started and ended (`PipelineResult`); a
+`StageTimeline` is that record as JSON-ready data (the trainer writes one per step and rank). `measured` turns the
+timelines of one pipeline's stages into the simulator's `SimResult`, so `simulator.gantt` draws the real step as it
+draws a simulated one; `measured_costs` reads the per-chunk forward and backward times and the transfer time off
+them, and `compare` simulates the schedule on those costs: how much of the real step the stages spent not
+computing, against what the simulator predicts for the same chunk times.
+
+Clocks: `time.perf_counter` is CLOCK_MONOTONIC on Linux, one clock for every process of a machine, so the stages'
+records of one machine share a time axis; ranks on different machines do not (their timelines would need an
+offset measured by a collective first).
+
+Idle share: 1 - compute / (stages x step), compute being the time inside forward and backward actions. It is the
+bubble plus the time in point-to-point transfers (blocking both ends on the CPU transport) and host work between
+actions; the simulator's blocking transfers make its idle share the same sum, its bubble alone `SimResult.bubble_ratio`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from statistics import median
+
+from parallel.pipeline.schedules import Action, Kind, Schedule, build
+from parallel.pipeline.simulator import Interval, SimResult, StageCosts, simulate
+
+
+@dataclass(frozen=True)
+class StageTimeline:
+    """What one stage ran in one step, on its own clock (seconds)."""
+    schedule: str                       # the builder's name (schedules.build)
+    stages: int
+    chunks: int
+    microbatches: int
+    stage: int
+    actions: list                       # [kind "F"|"B", micro-batch, local chunk, start, end]
+    transfers: list                     # [direction "F"|"B", micro-batch, producing virtual stage k, src, dst,
+                                        #  sent here (else received), start, end]
+    peak_in_flight: int                 # activations (chunk inputs) held at most
+    peak_in_flight_bytes: int
+
+    @classmethod
+    def of(cls, schedule: Schedule, result) -> "StageTimeline":
+        """From the executor's `PipelineResult` of one step."""
+        return cls(schedule.name, schedule.stages, schedule.chunks, schedule.microbatches, result.stage,
+                   [[r.action.kind.value, r.action.microbatch, r.action.chunk, r.start, r.end] for r in result.log],
+                   [[t.transfer.direction.value, t.transfer.mb, t.transfer.k, t.transfer.src, t.transfer.dst,
+                     t.send, t.start, t.end] for t in result.transfers],
+                   result.peak_in_flight, result.peak_in_flight_bytes)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StageTimeline":
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+
+    def rebuild_schedule(self) -> Schedule:
+        return build(self.schedule, self.stages, self.chunks, self.microbatches)
+
+
+@dataclass(frozen=True)
+class TimelineComparison:
+    measured: SimResult
+    simulated: SimResult
+    costs: StageCosts
+    measured_idle: float
+    simulated_idle: float
+
+
+def idle_share(result: SimResult) -> float:
+    """The share of the stages' time spent outside forward and backward compute (see the module docstring)."""
+    return 1.0 - sum(result.compute) / (result.schedule.stages * result.step_time)
+
+
+def _check(timelines: list[StageTimeline]) -> Schedule:
+    stages = sorted(t.stage for t in timelines)
+    if not timelines or stages != list(range(timelines[0].stages)):
+        raise ValueError(f"timelines: expected one per stage of the pipeline, got stages {stages}")
+    return timelines[0].rebuild_schedule()
+
+
+def measured(timelines: list[StageTimeline]) -> SimResult:
+    """The stages' records as the simulator's timeline: time 0 is the first start of any stage; an action is an
+    interval of pure compute; each transfer an interval of its stage's stream ("p2p": on the CPU transport both
+    ends block in it), counted as exposed communication."""
+    schedule = _check(timelines)
+    p = schedule.stages
+    zero = min(min([a[3] for a in t.actions] + [x[6] for x in t.transfers]) for t in timelines)
+    end = max(max([a[4] for a in t.actions] + [x[7] for x in t.transfers]) for t in timelines)
+    intervals, compute, exposed = [], [0.0] * p, [0.0] * p
+    for t in sorted(timelines, key=lambda t: t.stage):
+        for kind, mb, chunk, start, stop in t.actions:
+            action = Action(Kind(kind), mb, chunk)
+            intervals.append(Interval(t.stage, start - zero, stop - zero, kind, (action,), stop - start))
+            compute[t.stage] += stop - start
+        for direction, mb, k, src, dst, _, start, stop in t.transfers:
+            if src == dst:
+                continue
+            action = Action(Kind(direction), mb, k // p)   # drawn in the colour of the chunk that produced it
+            intervals.append(Interval(t.stage, start - zero, stop - zero, "p2p", (action,)))
+            exposed[t.stage] += stop - start
+    return SimResult(schedule, end - zero, tuple(compute), tuple(exposed), tuple(0.0 for _ in range(p)),
+                     tuple(intervals))
+
+
+def measured_costs(timelines: list[StageTimeline]) -> StageCosts:
+    """Per (stage, chunk) the median forward and backward time over the step's micro-batches; the transfer time
+    the median over transfers of the shorter of its two ends' records (the end that arrived last did not wait:
+    its time is the transfer's own)."""
+    schedule = _check(timelines)
+    p, v = schedule.stages, schedule.chunks
+    times: dict[tuple[str, int, int], list[float]] = {}
+    ends: dict[tuple, list[float]] = {}
+    for t in timelines:
+        for kind, _, chunk, start, stop in t.actions:
+            times.setdefault((kind, t.stage, chunk), []).append(stop - start)
+        for direction, mb, k, src, dst, _, start, stop in t.transfers:
+            if src != dst:
+                ends.setdefault((direction, mb, k), []).append(stop - start)
+    grid = [[[median(times[(kind, s, c)]) for c in range(v)] for s in range(p)] for kind in ("F", "B")]
+    pure = [min(d) for d in ends.values() if len(d) == 2]
+    return StageCosts(tuple(map(tuple, grid[0])), tuple(map(tuple, grid[1])), p2p=median(pure) if pure else 0.0)
+
+
+def compare(timelines: list[StageTimeline]) -> TimelineComparison:
+    real = measured(timelines)
+    costs = measured_costs(timelines)
+    sim = simulate(real.schedule, costs)
+    return TimelineComparison(real, sim, costs, idle_share(real), idle_share(sim))
