@@ -8,7 +8,8 @@ and rank: what the executor ran and when), takes the stages of one pipeline (the
 and DIR/simulated.png (DIR: OUTPUT_DIR/logs/pipeline_timeline) with the simulator's Gantt code. Prints per stage its
 compute, transfer time, activations held at most (count and bytes) and peak resident set; then the step and the
 idle share (the stages' time not spent in forward or backward compute: bubble, transfers and host work) measured
-and simulated, and the simulated bubble alone (parallel/pipeline/timeline.py).
+and simulated (the executor's programs with rendezvous transfers, as the CPU transport runs them), the simulated
+bubble alone, and the planner's simulator (eager sends) on the same costs (parallel/pipeline/timeline.py).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from parallel.pipeline.simulator import gantt
-        from parallel.pipeline.timeline import StageTimeline, compare
+        from parallel.pipeline.timeline import StageTimeline, compare, idle_share
         out = Path(args.output_dir)
         steps = load(out, args.pipeline)
         stages = next(iter(next(iter(steps.values())).values()))["stages"]
@@ -88,6 +89,9 @@ def main(argv=None) -> int:
     print(f"idle share: measured {100 * result.measured_idle:.1f}%, simulated {100 * result.simulated_idle:.1f}% "
           f"(difference {100 * (result.measured_idle - result.simulated_idle):+.1f} points); simulated bubble "
           f"{100 * result.simulated.bubble_ratio:.1f}%")
+    print(f"the planner's simulator (eager sends, as HCCL's Send/Receive) on the same costs: step "
+          f"{result.eager.step_time:.3f} s, idle {100 * idle_share(result.eager):.1f}%, bubble "
+          f"{100 * result.eager.bubble_ratio:.1f}%")
     print(f"wrote {png_dir / 'measured.png'} and {png_dir / 'simulated.png'}")
     return 0
 

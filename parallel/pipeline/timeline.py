@@ -12,14 +12,21 @@ records of one machine share a time axis; ranks on different machines do not (th
 offset measured by a collective first).
 
 Idle share: 1 - compute / (stages x step), compute being the time inside forward and backward actions. It is the
-bubble plus the time in point-to-point transfers (blocking both ends on the CPU transport) and host work between
-actions; the simulator's blocking transfers make its idle share the same sum, its bubble alone `SimResult.bubble_ratio`.
+bubble plus the time in point-to-point transfers and host work between actions; the simulator's blocking transfers
+make its idle share the same sum, its bubble alone `SimResult.bubble_ratio`.
+
+Two predictions for the same measured costs, because transports differ in what a send waits for:
+- `simulator.simulate`, the planner's model: a send is eager (the sender goes on after `p2p`; HCCL's Send/Receive);
+- `simulate_programs`: each rank runs its executor program (`executor.program`: its actions and transfers in the
+  one global order), and a transfer is a rendezvous that starts when both ends have reached it and holds both for
+  `p2p`: the CPU transport, an all-reduce on the pair's group. This is the transport that ran here.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from statistics import median
 
+from parallel.pipeline.executor import Compute, program
 from parallel.pipeline.schedules import Action, Kind, Schedule, build
 from parallel.pipeline.simulator import Interval, SimResult, StageCosts, simulate
 
@@ -61,7 +68,8 @@ class StageTimeline:
 @dataclass(frozen=True)
 class TimelineComparison:
     measured: SimResult
-    simulated: SimResult
+    simulated: SimResult            # the executor's programs with rendezvous transfers (the CPU transport)
+    eager: SimResult                # the planner's simulator: eager sends
     costs: StageCosts
     measured_idle: float
     simulated_idle: float
@@ -122,8 +130,45 @@ def measured_costs(timelines: list[StageTimeline]) -> StageCosts:
     return StageCosts(tuple(map(tuple, grid[0])), tuple(map(tuple, grid[1])), p2p=median(pure) if pure else 0.0)
 
 
+def simulate_programs(schedule: Schedule, costs: StageCosts) -> SimResult:
+    """Each stage runs its executor program in order; a transfer between two stages starts when both have reached
+    it and takes `costs.p2p` on both (see the module docstring); a hand-over inside a stage costs nothing."""
+    p = schedule.stages
+    programs = [program(schedule, s) for s in range(p)]
+    at, clock = [0] * p, [0.0] * p
+    compute, exposed = [0.0] * p, [0.0] * p
+    intervals = []
+    while any(at[s] < len(programs[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while at[s] < len(programs[s]):
+                e = programs[s][at[s]]
+                if isinstance(e, Compute):
+                    cost = costs.compute(s, e.action)
+                    intervals.append(Interval(s, clock[s], clock[s] + cost, e.action.kind.value, (e.action,), cost))
+                    clock[s] += cost
+                    compute[s] += cost
+                elif e.src != e.dst:
+                    peer = e.dst if e.src == s else e.src
+                    if at[peer] >= len(programs[peer]) or programs[peer][at[peer]] != e:
+                        break                       # the other end has not reached it yet
+                    start = max(clock[s], clock[peer])
+                    action = Action(e.direction, e.mb, e.k // p)
+                    for end in (s, peer):      # the wait before `start` is bubble; the transfer itself is not
+                        intervals.append(Interval(end, start, start + costs.p2p, "p2p", (action,)))
+                        exposed[end] += costs.p2p
+                        clock[end] = start + costs.p2p
+                    at[peer] += 1
+                at[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the executor programs deadlock")   # cannot happen: the global order is a total one
+    return SimResult(schedule, max(clock), tuple(compute), tuple(exposed), tuple(0.0 for _ in range(p)),
+                     tuple(intervals))
+
+
 def compare(timelines: list[StageTimeline]) -> TimelineComparison:
     real = measured(timelines)
     costs = measured_costs(timelines)
-    sim = simulate(real.schedule, costs)
-    return TimelineComparison(real, sim, costs, idle_share(real), idle_share(sim))
+    sim = simulate_programs(real.schedule, costs)
+    return TimelineComparison(real, sim, simulate(real.schedule, costs), costs, idle_share(real), idle_share(sim))
