@@ -302,6 +302,14 @@ class _Step:
             self.stored[rank] = read_safetensors(self.folder(rank) / WEIGHTS)[0]
         return self.stored[rank]
 
+    def holds(self, rank: int, tensor: str) -> bool:
+        """Whether `rank` saved `tensor` at all (under pipeline parallelism a rank saves its stage's tensors)."""
+        return (self.folder(rank) / WEIGHTS).is_file() and tensor in self.weights(rank)
+
+    def holder(self, tensor: str) -> int | None:
+        """The first rank that saved `tensor`, if any."""
+        return next((r for r in range(self.world) if r != self.own and self.holds(r, tensor)), None)
+
 
 def _assemble(step: _Step, name: str, mine: np.ndarray, saved: Shard | None, want: Shard | None,
               shape: tuple) -> np.ndarray:
@@ -326,6 +334,8 @@ def _assemble(step: _Step, name: str, mine: np.ndarray, saved: Shard | None, wan
     pieces = []  # (offset, rank) of every rank's slice, checked to be slices of one tensor
     for r in range(step.world):
         theirs = step.layout(r, name).get(name)
+        if theirs is None and not step.holds(r, name):
+            continue                # a rank of another pipeline stage
         if theirs is None or theirs.dim != ds or theirs.full != saved.full:
             said = "replicated" if theirs is None else f"[dim {theirs.dim}, offset {theirs.offset}, full {theirs.full}]"
             raise CheckpointError(f"{step.folder(r) / STATE}: {name} is {said}, {step.path / STATE} has it sharded "
@@ -393,17 +403,21 @@ def load_checkpoint(path: str | Path, params: list[Parameter], fields: dict | No
     step = _Step(path, world, stored, saved_shards)
     loaded = {}
     for p in params:
-        if p.name not in stored:
+        # a tensor of another pipeline stage (saved under another pipeline_stage) is in another rank's folder
+        holder = step.own if p.name in stored else step.holder(p.name)
+        if holder is None:
             raise CheckpointError(f"{weights}: has no tensor {p.name!r}; it was written by a different model")
-        saved, want, shape = saved_shards.get(p.name), shards.get(p.name), tuple(p.shape)
+        mine = step.weights(holder)[p.name] if holder != step.own else stored[p.name]
+        saved = step.layout(holder, p.name).get(p.name) if holder != step.own else saved_shards.get(p.name)
+        want, shape = shards.get(p.name), tuple(p.shape)
         # laid out as saved (a Shard does not say its local size: the shapes too), or replicated both times
-        if saved is want is None or saved == want and tuple(stored[p.name].shape) == shape:
-            if tuple(stored[p.name].shape) != shape:
-                raise CheckpointError(f"{weights}: {p.name} has shape {tuple(stored[p.name].shape)}, this model "
+        if saved is want is None or saved == want and tuple(mine.shape) == shape:
+            if tuple(mine.shape) != shape:
+                raise CheckpointError(f"{weights}: {p.name} has shape {tuple(mine.shape)}, this model "
                                       f"expects {shape}; it was written by a model of another shape")
-            loaded[p.name] = stored[p.name]
+            loaded[p.name] = mine
         else:
-            loaded[p.name] = _assemble(step, p.name, stored[p.name], saved, want, shape)
+            loaded[p.name] = _assemble(step, p.name, mine, saved, want, shape)
     problem = _state_problem(state, fields or {})
     if problem:
         raise CheckpointError(f"{state_file}: not a trainer state ({problem})")

@@ -3,10 +3,12 @@ pipeline_stage=2 x pp_interleave_num=2 (interleaved 1F1B, the placement MILP's c
 expert_parallel=2 inside each stage, 2 micro-batches, against the one-process run: every logged loss and gradient
 norm per step, the held-out loss (a forward-only pass through the pipeline), and precision.compare on the tensor
 dumps of steps 1-2 (every stage's layer outputs, gradients and Adam moments put together); the timeline each rank
-recorded draws as a measured step beside its simulation (scripts/pipeline_timeline)."""
+recorded draws as a measured step beside its simulation (scripts/pipeline_timeline); step 3's checkpoint resumes
+in one process and continues the one-process losses."""
 from __future__ import annotations
 
 import json
+import shutil
 
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli
@@ -40,3 +42,15 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
     whole = set(read_safetensors(one / "checkpoints" / "rank_0" / "step_00000004" / "weights.safetensors")[0])
     assert names[0] == names[1] and names[2] == names[3] and names[0] | names[2] == whole
     assert "embed_tokens.weight" in names[0] & names[2] and "lm_head.weight" in names[2] - names[0]
+    # step 3's checkpoint resumes in one process (each stage's tensors from its ranks' folders, the experts put
+    # together from their EP slices) and continues the one-process run at step 4
+    resumed = tmp_path / "resumed_pp1"
+    shutil.copytree(out, resumed)
+    for rank in range(4):
+        shutil.rmtree(resumed / "checkpoints" / f"rank_{rank}" / "step_00000004")
+    proc = run_cli("run_train.py", "--recipe", "tiny", "--resume",
+                   *sets(*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}",
+                         f"output_dir={resumed}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
+    assert_losses_match(one, resumed, (4,), "pp=2 x vpp=2 x dp=2 x ep=2 resumed at pp=1")
