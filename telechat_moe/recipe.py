@@ -126,6 +126,16 @@ class DataConfig:
     max_context_loss: float = 1.0                # repack: most share of a batch's tokens its cuts may cut off
 
 
+@dataclass
+class ExpertPlacementConfig:
+    """Dynamic expert placement (telechat_moe/expert_placement.py): every `interval` steps each MoE layer's experts
+    may move between the expert-parallel ranks, when the load predicted from the last `window` steps makes the most
+    loaded rank's gain exceed `threshold` x the time of moving the weights and Adam moments."""
+    interval: int = 0                    # steps between decisions; 0: the static placement (expert e on e // (E/ep))
+    window: int = 20                     # steps of router load per window the predictor takes
+    threshold: float = 1.0               # a move needs predicted gain > threshold x its cost (0: any gain)
+
+
 # A switch MindSpore spells ON / OFF (YAML reads a bare ON or OFF as a boolean; both spellings are taken).
 OnOff = typing.NewType("OnOff", str)
 
@@ -172,6 +182,7 @@ class Recipe:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
+    expert_placement: ExpertPlacementConfig = field(default_factory=ExpertPlacementConfig)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -386,6 +397,17 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
              f"training.global_batch_size: {t.global_batch_size} is not divisible by data_parallel*micro_batch_num "
              f"= {layout.dp * p.micro_batch_num}")
     require(t.train_steps >= 1, f"training.train_steps: expected at least 1, got {t.train_steps}")
+    x = r.expert_placement
+    require(x.interval >= 0, f"expert_placement.interval: expected 0 or more, got {x.interval}")
+    require(x.window >= 1, f"expert_placement.window: expected at least 1, got {x.window}")
+    require(math.isfinite(x.threshold) and x.threshold >= 0,
+            f"expert_placement.threshold: expected a number >= 0, got {x.threshold}")
+    require(not x.interval or p.expert_parallel > 1,
+            f"expert_placement.interval: moving experts needs expert_parallel > 1, got {p.expert_parallel}")
+    # group-limited routing picks groups of consecutive experts: relabelling them would change what it picks
+    require(not x.interval or m.n_group <= 1,
+            f"expert_placement.interval: group-limited routing (model.n_group={m.n_group}) ties experts to their "
+            f"groups; moving them is not supported")
     require(p.pipeline_scheduler in ("1f1b", "gpipe"),
             f"parallel_config.pipeline_scheduler: expected 1f1b or gpipe, got {p.pipeline_scheduler!r}")
     for key in ("log_interval", "save_interval", "eval_interval", "keep_checkpoints", "eval_batches"):

@@ -36,6 +36,7 @@ from parallel.tp.mappings import TensorParallel
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
 from telechat_moe.dry_run import DTYPE_BYTES
+from telechat_moe.expert_placement import ExpertMigrator
 from telechat_moe.metrics import StepLogger, Timer, info, keep_records_until
 from telechat_moe.model import AbsentLayer, TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
@@ -276,13 +277,13 @@ class LossScaler:
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------
-def expert_biases(model: TeleChatMoE) -> tuple[list[int], list]:
-    """(the routers' indices in the order of the model's expert-load output: MoE layers, then MTP; their expert
-    biases) of the routers this rank builds (a pipeline stage builds some)."""
+def routed_layers(model: TeleChatMoE) -> tuple[list[int], list]:
+    """(the routers' indices in the order of the model's expert-load output: MoE layers, then MTP; their MoE cells)
+    of the routers this rank builds (a pipeline stage builds some)."""
     moe = [layer for layer in model.layers if layer.is_moe]
     built = [(i, layer) for i, layer in enumerate(moe) if not isinstance(layer, AbsentLayer)]
     built += [(len(moe) + d, block.block) for d, block in enumerate(model.mtp)]
-    return [i for i, _ in built], [layer.mlp.gate.expert_bias for _, layer in built]
+    return [i for i, _ in built], [layer.mlp for _, layer in built]
 
 
 def position_ids(batch: int, seq: int) -> np.ndarray:
@@ -342,9 +343,14 @@ class Trainer:
             self.step_graph = TrainStep(self.forward_backward, prepare(), self.optimizer, p.micro_batch_num)
             self.evaluate = Evaluate(self.model)
         self.sum_over_ranks = OverRanks(ops.AllReduce()) if world > 1 else None
-        self.router_rows, self.biases = expert_biases(self.model)
+        self.router_rows, mlps = routed_layers(self.model)
+        self.biases = [mlp.gate.expert_bias for mlp in mlps]
         self.move_biases = (MoveExpertBiases(self.biases)
                             if self.biases and recipe.model.moe_router_enable_expert_bias else None)
+        self.migrator = ExpertMigrator(recipe, self.router_rows, mlps, self.optimizer, self.groups.ep, self.ep.index,
+                                       self.ep.ranks_per_node, peak_flops) \
+            if recipe.expert_placement.interval and mlps else None
+        self.load_imbalance = None      # this step's max/mean EP-rank load (dynamic placement)
         self.scaler = LossScaler.from_recipe(recipe)
         self.micro = p.micro_batch_num
         d = recipe.data
@@ -442,6 +448,10 @@ class Trainer:
         states = {"grad": [self._whole(n, g) for n, g in zip(names, grads)],
                   "adam_m": [self._whole(n, m) for n, m in zip(names, opt.exp_avg)],
                   "adam_v": [self._whole(n, v) for n, v in zip(names, opt.exp_avg_sq)]}
+        if self.migrator is not None:    # experts and router rows in the experts' original order
+            from precision.dump import to_numpy
+            states = {kind: [self.migrator.original_order(n, to_numpy(v)[0]) for n, v in zip(names, values)]
+                      for kind, values in states.items()}
         if self.pipeline is not None:
             names, states = self._whole_pipeline(names, states)
         records += grad_records(names, states["grad"])
@@ -536,6 +546,8 @@ class Trainer:
         # epoch), so the seed and the data position are the whole random state.
         state = {"step": self.step, "data": self.loader.state_dict(), "loss_scale": self.scaler.scale,
                  "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed, "recipe": self.r.name}
+        if self.migrator is not None:
+            state["expert_labels"] = self.migrator.state_dict()
         path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, self._all_params(), state,
                                self.r.training.keep_checkpoints, shards=self._shards(), world=self.world)
         info(f"[ckpt] saved {path}", self.main)
@@ -552,6 +564,8 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
         self.scaler.scale = float(state["loss_scale"])
         self.scaler.good_steps = int(state["loss_scale_good_steps"])
+        if self.migrator is not None:
+            self.migrator.load_state_dict(state.get("expert_labels") or {})
         info(f"[ckpt] resumed from {path} at step {self.step}", self.main)
         return True
 
@@ -589,6 +603,9 @@ class Trainer:
         if self.move_biases is not None:     # every router's step from the global load; this rank's applied
             delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)[self.router_rows]
             self.move_biases(Tensor(delta.astype(np.float32)))
+        if self.migrator is not None:
+            self.migrator.observe(loads, self.step + 1)
+            self.load_imbalance = self.migrator.imbalance(loads)
         total, lm, mtp, aux, z = self._mean_over_ranks(sums / self.micro)
         values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy()),
                   "lr": lr}
@@ -612,6 +629,21 @@ class Trainer:
         # sum is the value
         total = self.sum_over_ranks(Tensor(np.asarray(local, np.float32))).asnumpy().astype(np.float64)
         return total * self.stages / self.world
+
+    def _migrate(self) -> None:
+        """The experts re-placed after this step's update, before its checkpoint (telechat_moe/expert_placement.py)."""
+        d = self.migrator.decide()
+        info(f"[experts] step {self.step}: {d.layers_moved} of {len(self.router_rows)} layers re-placed, "
+             f"{d.experts_moved} experts moved ({d.bytes / 2 ** 20:.2f} MiB of weights and Adam moments), forecast "
+             f"max/mean EP-rank load {d.imbalance_before:.3f} -> {d.imbalance_after:.3f}, {d.seconds * 1e3:.0f} ms",
+             self.main)
+
+    def _placement_scalars(self) -> dict:
+        if self.migrator is None:
+            return {}
+        total = self.migrator.total
+        return {"expert_max_mean_load": self.load_imbalance, "experts_moved": float(total.experts_moved),
+                "expert_bytes_moved": total.bytes, "expert_migration_s": total.seconds}
 
     def _traffic_bytes(self) -> dict:
         """Bytes the step's expert all-to-alls moved across and inside nodes, for the flat and the hierarchical
@@ -697,8 +729,11 @@ class Trainer:
                 self.loader.advance(1)
                 self.step += 1
                 done = self.step == t.train_steps
+                if self.migrator is not None and self.migrator.due(self.step):
+                    self._migrate()
                 if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
-                    last = self.logger.log(self.step, values, loads, scalars=self._traffic_bytes())
+                    last = self.logger.log(self.step, values, loads,
+                                           scalars={**self._traffic_bytes(), **self._placement_scalars()})
                 if (t.eval_interval and self.step % t.eval_interval == 0) or done:
                     eval_loss = self.held_out_loss()
                     if eval_loss is not None:
@@ -712,4 +747,8 @@ class Trainer:
         summary = {**last, "eval_lm_loss": eval_loss}
         if self.main:
             (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))
+            if self.migrator is not None:     # the last window's load per expert (original ids) and step
+                (self.out / "logs" / "expert_load").mkdir(exist_ok=True)
+                for r, row in enumerate(self.router_rows):
+                    self.migrator.window.heatmap_png(self.out / "logs" / "expert_load" / f"router_{row}.png", r)
         return summary
