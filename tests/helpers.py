@@ -26,14 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_msrun_at_a_time():
+    """A lock held while an msrun job runs, shared by every test process of the machine (the suite's two xdist
+    workers): two jobs of 4 ranks at once put 8 busy processes on 2 cores, and a collective of one waited past
+    mccl's receive timeout ("Ring ReduceScatter wait receiving ... failed"). The other worker meanwhile runs
+    single-process tests, where two workers gain."""
+    import tempfile
+    from filelock import FileLock
+    return FileLock(os.path.join(tempfile.gettempdir(), "telechat_tests_msrun.lock"))
+
+
 def msrun(world: int, log_dir: Path, *args: str, cluster_time_out: int = 60, env: dict | None = None):
     """`msrun --worker_num=world ... ARGS` on this machine with --join=True, the venv's python first on PATH (msrun
     starts its workers with the first python there) -> (completed process, the tail of every worker's log)."""
     command = shutil.which("msrun", path=os.path.dirname(sys.executable))
     path = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    proc = run_cli(command, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
-                   "--join=True", f"--log_dir={log_dir}", f"--cluster_time_out={cluster_time_out}", *args,
-                   env={**path, **(env or {})})
+    with one_msrun_at_a_time():
+        proc = run_cli(command, f"--worker_num={world}", f"--local_worker_num={world}",
+                       f"--master_port={free_port()}", "--join=True", f"--log_dir={log_dir}",
+                       f"--cluster_time_out={cluster_time_out}", *args, env={**path, **(env or {})})
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in Path(log_dir).glob("worker_*.log"))
     return proc, logs
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import CORPUS, ROOT, assert_one_line_error, free_port, run_cli, run_main
+from tests.helpers import CORPUS, ROOT, assert_one_line_error, free_port, one_msrun_at_a_time, run_cli, run_main
 from tests.test_training import SHORT, _digest, sets
 
 # SHORT with a smaller model (2 layers, 4 experts): these runs test files and messages, not learning.
@@ -225,27 +225,28 @@ def test_a_killed_worker_leaves_one_line_in_every_other_log(earlier_run, tmp_pat
     out, logs = tmp_path / "out", tmp_path / "msrun_logs"
     msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
     env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "MS_NODE_TIMEOUT": "10"}
-    proc = run_cli(msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}", "--join=False",
-                   f"--log_dir={logs}", "--cluster_time_out=60", "run_train.py", "--recipe", "tiny",
-                   *sets(*SMALL, *layout, "training.train_steps=1000", "parallel_config.data_parallel=2",
-                         f"data.tokenizer={earlier_run / 'tokenizer.model'}", f"output_dir={out}"), env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = {}
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and "step      1/" not in _read(logs / "worker_0.log"):
-            time.sleep(0.2)
-        job = _job_processes(out)
-        assert {"scheduler", "rank_0", "rank_1"} <= set(job), (job, _read(logs / "worker_0.log")[-3000:])
-        os.kill(job["rank_1"], signal.SIGKILL)
-        deadline = time.time() + 120
-        while time.time() < deadline and (_running(job["rank_0"]) or _running(job["scheduler"])):
-            time.sleep(0.2)
-        assert not _running(job["rank_0"]) and not _running(job["scheduler"]), "the job did not end"
-    finally:
-        for pid in {**_job_processes(out), **job}.values():
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+    with one_msrun_at_a_time():          # the job runs until it is killed: alone, as every msrun job here
+        proc = run_cli(msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}", "--join=False",
+                       f"--log_dir={logs}", "--cluster_time_out=60", "run_train.py", "--recipe", "tiny",
+                       *sets(*SMALL, *layout, "training.train_steps=1000", "parallel_config.data_parallel=2",
+                             f"data.tokenizer={earlier_run / 'tokenizer.model'}", f"output_dir={out}"), env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job = {}
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and "step      1/" not in _read(logs / "worker_0.log"):
+                time.sleep(0.2)
+            job = _job_processes(out)
+            assert {"scheduler", "rank_0", "rank_1"} <= set(job), (job, _read(logs / "worker_0.log")[-3000:])
+            os.kill(job["rank_1"], signal.SIGKILL)
+            deadline = time.time() + 120
+            while time.time() < deadline and (_running(job["rank_0"]) or _running(job["scheduler"])):
+                time.sleep(0.2)
+            assert not _running(job["rank_0"]) and not _running(job["scheduler"]), "the job did not end"
+        finally:
+            for pid in {**_job_processes(out), **job}.values():
+                if _running(pid):
+                    os.kill(pid, signal.SIGKILL)
     for log, needles in (("worker_0.log", ["error: rank 0:", "a process of this msrun job"]),
                          ("scheduler.log", ["error: msrun scheduler: the job failed:", "worker 1"])):
         text = _read(logs / log)
