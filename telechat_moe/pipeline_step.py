@@ -109,15 +109,10 @@ class StageChunk(nn.Cell):
         return h, total, ops.stop_gradient(parts)
 
 
-class LayerOutputsChunk(nn.Cell):
+class LayerOutputsChunk(StageChunk):
     """Chunk k for a tensor dump, run forward-only: (the stream for the next chunk, zero, its `chunk_outputs`
     stacked [outputs, b, s', h]; a chunk without outputs, a middle one with no layers, returns its input once,
     which nobody reads)."""
-
-    def __init__(self, model: TeleChatMoE, start: int, end: int, first: bool, last: bool):
-        super().__init__(auto_prefix=False)
-        self.model, self.start, self.end, self.first, self.last = model, start, end, first, last
-        self.zero = ms.Tensor(0.0, ms.float32)
 
     def construct(self, x, labels, loss_mask, segment_ids, position_ids):
         m = self.model
