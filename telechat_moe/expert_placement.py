@@ -70,7 +70,6 @@ class ExpertMigrator:
         expert_params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
         cluster = "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
         self.cost = MoveCost.from_cluster(cluster, expert_params)
-        self.expert_bytes = self.cost.expert_bytes
         self.seconds_per_token = expert_flops_per_token(cfg.hidden_size, cfg.moe_intermediate_size) / peak_flops
         moments = {id(p): (m, v) for p, m, v in zip(optimizer.parameters, optimizer.exp_avg, optimizer.exp_avg_sq)}
         self.replicated, self.sharded, self.writers, self.indexed = [], [], [], {}
@@ -128,7 +127,7 @@ class ExpertMigrator:
             moved = moved_rows(perm, self.ep)
             out.layers_moved += 1
             out.experts_moved += moved
-            out.bytes += moved * self.expert_bytes
+            out.bytes += moved * self.cost.expert_bytes
         out.imbalance_before, out.imbalance_after = float(np.mean(before)), float(np.mean(after))
         out.seconds = time.perf_counter() - start
         for name in ("layers_moved", "experts_moved", "bytes", "seconds"):
