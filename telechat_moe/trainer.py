@@ -286,6 +286,12 @@ def routed_layers(model: TeleChatMoE) -> tuple[list[int], list]:
     return [i for i, _ in built], [layer.mlp for _, layer in built]
 
 
+def gather_along(transport, x: np.ndarray, axis: int) -> np.ndarray:
+    """Every group member's `x` put together along `axis`, in group order (the transports gather along axis 0)."""
+    moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+    return np.moveaxis(transport.all_gather(Tensor(moved)).asnumpy(), 0, axis)
+
+
 def position_ids(batch: int, seq: int) -> np.ndarray:
     return np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
 
@@ -429,13 +435,9 @@ class Trainer:
     def _global_batch(self, out: np.ndarray) -> np.ndarray:
         """This rank's [..., b, s', h] -> the global batch's [..., dp*b, s, h]: its sequence shards put together
         over the tensor-parallel group under sequence parallelism, then the data-parallel ranks' rows in order."""
-        def gather(transport, x, axis):
-            moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))
-            return np.moveaxis(transport.all_gather(Tensor(moved)).asnumpy(), 0, axis)
-
         if self.tp.sp:
-            out = gather(self.groups.tp, out, -2)
-        return gather(self.groups.dp, out, -3)
+            out = gather_along(self.groups.tp, out, -2)
+        return gather_along(self.groups.dp, out, -3)
 
     def _dump(self, step: int, forward: list, values: dict, grads) -> None:
         from precision.capture import grad_records, optimizer_records
@@ -481,13 +483,10 @@ class Trainer:
     def _whole(self, name: str, tensor):
         axis = self._tp_axes.get(name)
         if axis is not None:
-            value = Tensor(tensor.asnumpy())     # a value: moments are Parameters
-            if axis == 0:
-                return self.groups.tp.all_gather(value)
-            return ops.swapaxes(self.groups.tp.all_gather(ops.swapaxes(value, 0, axis)), 0, axis)
+            return gather_along(self.groups.tp, tensor.asnumpy(), axis)
         if self.ep.ep == 1 or not is_routed_expert(name):
             return tensor
-        return self.groups.ep.all_gather(Tensor(tensor.asnumpy()))
+        return gather_along(self.groups.ep, tensor.asnumpy(), 0)
 
     def _shards(self) -> dict:
         """The slices this rank checkpoints: routed experts along dim 0 over the EP group, tensor-parallel weights
