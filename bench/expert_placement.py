@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.expert_placement              # synthetic traces and the tiny model trained 60 steps
     .venv/bin/python -m bench.expert_placement --no-tiny    # synthetic traces only (about a minute)
+    .venv/bin/python -m bench.expert_placement --no-tiny --devices 8 --repeats 1   # table 3 quickly (20 s)
     .venv/bin/python -m bench.expert_placement --tiny-output output/tiny   # the tiny trace from an earlier run
 
 Traces (per MoE layer, tokens per expert per sampled step; top-k distinct experts per token, Gumbel top-k):
@@ -32,6 +33,10 @@ changes moves); the planner starts from static and migrates only when plan_migra
 routed expert (hidden 4096, FFN 2304: 28.3M parameters, fp32 weights and moments: 340 MB a copy), --real-tokens
 tokens per device per step, --real-window steps per window; the expert time per token copy is 18 x hidden x FFN
 FLOPs at the cluster's bf16 peak x matmul efficiency.
+
+Table 3, the time gained: the 1t recipe's own layout (ep=128 in nodes of 8) priced by the planner's cost model
+(`Workload.expert_load` = the realised max/mean of table 2's online run on a 512-expert top-8 trace of each kind)
+for each placement, with this project's padded exchange buffers and with the routed copies alone.
 """
 from __future__ import annotations
 
@@ -213,6 +218,61 @@ def print_online(rows: list[dict]) -> None:
               f"| {r['migrate_ms']:.1f} |")
 
 
+# ---- table 3 ---------------------------------------------------------------------------------------------------------
+def priced_1t(args, rng, cost: MoveCost, spt: float) -> list[dict]:
+    """The 1t recipe's own layout on --cluster, its step priced by the planner's cost model (`Workload.expert_load`:
+    the most loaded EP rank's copies over the mean) under each placement's realised max/mean on a trace of the 1t
+    routing (512 experts, top-8, over its 128 EP ranks in nodes of 8). A migration's cost, amortised: the seconds
+    its moves take per layer and window, times the MoE layers a pipeline stage holds, over the window's steps."""
+    import dataclasses
+    from parallel.planner.cost_model import Layouts, evaluate
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.workload import recipe_layout, recipe_workload
+    recipe = load_recipe("recipes/1t.yaml")
+    w = recipe_workload(recipe, args.cluster)
+    layout = recipe_layout(recipe, w)
+    m = recipe.model
+    d, dpn = layout.ep, w.cluster.devices_per_node
+    stage_layers = w.shape.num_moe_layers / layout.pp
+    rows = []
+    for kind in args.traces:
+        t0 = time.perf_counter()
+        trace = synthetic_trace(kind, m.n_routed_experts, m.num_experts_per_tok, args.zipf, args.windows,
+                                args.steps_per_window, args.tokens, rng)
+        scale = args.real_tokens * d * args.real_window / (args.tokens * args.steps_per_window)
+        online = online_row(kind, trace, d, dpn, args.spare_slots, scale, cost, spt, args.threshold_intra,
+                            args.threshold_inter)
+        for name, key, rep in (("balanced (max/mean 1)", None, None), ("static", "static", None),
+                               ("greedy global", "greedy", None), ("planner", "plan", False),
+                               ("planner + replicas", "plan_rep", True),
+                               ("planned on the window itself", "oracle_rep", None)):
+            load = 1.0 if key is None else online[key]
+            step = {padded: float(evaluate(dataclasses.replace(w, expert_load=load, padded_exchange=padded),
+                                           Layouts.of(layout))["step_time"][0]) for padded in (True, False)}
+            moving = 0.0 if rep is None else (online["spent"][rep] / online["evaluated"] * stage_layers
+                                              / args.real_window)
+            rows.append({"trace": kind, "placement": name, "load": load, "step": step, "moving": moving})
+        print(f"[bench] 1t on {args.cluster}: {kind} trace priced ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return rows
+
+
+def print_priced(rows: list[dict], args) -> None:
+    print(f"\nTable 3: the 1t recipe's step on {args.cluster} (its own layout, the planner's cost model, even layer "
+          f"split) under each placement's realised max/mean EP-rank load (online, as in table 2); migration cost "
+          f"amortised over --real-window {args.real_window} steps\n")
+    print("Two exchanges: this project's dispatchers (static buffers with room for the dropless worst case; an "
+          "uneven load changes only the expert compute) and the routed copies alone (a variable-size all-to-all, "
+          "as Megatron's dropless dispatcher and DeepEP send; the most loaded rank's receive grows too).\n")
+    print("| trace | placement | max/mean load | migration s/step | step s, padded buffers | vs static "
+          "| step s, routed copies only | vs static |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        static = next(x for x in rows if x["trace"] == r["trace"] and x["placement"] == "static")
+        cells = " | ".join(f"{r['step'][p]:.2f} | {100 * ((r['step'][p] + r['moving']) / static['step'][p] - 1):+.1f}%"
+                           for p in (True, False))
+        print(f"| {r['trace']} | {r['placement']} | {r['load']:.3f} | {r['moving']:.4f} | {cells} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.expert_placement", description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=256)
@@ -226,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per sampled step of the synthetic traces")
     ap.add_argument("--traces", nargs="+", default=["skewed", "drifting"], choices=["skewed", "drifting"])
     ap.add_argument("--no-tiny", action="store_true", help="leave out the trace of the trained tiny model")
+    ap.add_argument("--no-1t", action="store_true", help="leave out table 3 (the 1t step under each placement)")
     ap.add_argument("--tiny-steps", type=int, default=60)
     ap.add_argument("--tiny-output", help="an earlier tiny run's output folder: its checkpoint, no training")
     ap.add_argument("--cluster", default="ascend910b")
@@ -278,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             online.append(online_row(name, tr, d, dpn, args.spare_slots, scale, cost, spt, args.threshold_intra,
                                      args.threshold_inter))
             print(f"[bench] {name} on {d} devices ({time.perf_counter() - t0:.1f}s)", flush=True)
+    priced = [] if args.no_1t else priced_1t(args, rng, cost, spt)
     print_quality(quality)
     print_online(online)
+    if priced:
+        print_priced(priced, args)
 
     print("\nTargets (synthetic skewed trace): max/mean <= 1.05 with replicas, or within 5% of the bound without; "
           "planning <= 10 ms (256 experts on 64 devices)")

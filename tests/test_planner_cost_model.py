@@ -110,6 +110,24 @@ def test_ep_overlap_never_slower_and_hierarchical_pays_off_only_for_wide_routing
         assert (hier.fwd_comm[0] < flat.fwd_comm[0]) == (k * 3 / 4 > 3)
 
 
+def test_an_uneven_expert_placement_slows_the_moe_layer_by_its_expert_compute():
+    lay = Layouts.of(ParallelLayout(tp=1, pp=1, dp=256, ep=32, micro_batch_num=2, micro_batch_size=1))
+    for padded in (True, False):
+        w = dataclasses.replace(W, padded_exchange=padded)
+        even, skewed = (block_costs(dataclasses.replace(w, expert_load=f), lay).moe for f in (1.0, 1.5))
+        c = _Costing(w, lay)
+        # the most loaded rank's grouped GEMMs: 1.5x the rows of each local expert
+        rows = c.Tl * W.shape.top_k / (W.shape.num_routed_experts / c.ep)
+        e1 = [c.gemm(r, W.shape.hidden_size, 2 * W.shape.moe_intermediate, W.shape.num_routed_experts / c.ep)[0]
+              for r in (rows, 1.5 * rows)]
+        assert skewed.fwd_compute[0] - even.fwd_compute[0] >= (e1[1] - e1[0])[0] > 0
+        assert skewed.bwd_compute[0] > even.bwd_compute[0]
+        # padded buffers are sized for the worst case already; the routed copies' exchange waits for the receiver
+        assert (skewed.fwd_comm[0] > even.fwd_comm[0]) == (not padded)
+    steps = [evaluate(dataclasses.replace(W, expert_load=f), lay)["step_time"][0] for f in (1.0, 1.2, 1.5)]
+    assert steps[0] < steps[1] < steps[2]
+
+
 def test_tensor_and_expert_parallelism_shrink_weights():
     one = evaluate(W, Layouts.of(ParallelLayout(tp=1, pp=4, dp=64, ep=8, micro_batch_num=8)))["memory"][0]
     tp = evaluate(W, Layouts.of(ParallelLayout(tp=4, pp=4, dp=16, ep=8, micro_batch_num=8)))["memory"][0]

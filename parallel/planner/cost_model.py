@@ -24,7 +24,8 @@ Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per
   or `node_dedup` (DeepEP-style: each token crosses once to each distinct destination node, at most `topk_group`
   nodes under group-limited routing, and is forwarded inside the node).
   With `ep_overlap` the micro-batch runs as two chunks on two streams: time = max(C, A) + min(C, A) / 2 for
-  expert-block compute C and all-to-all A; otherwise C + A.
+  expert-block compute C and all-to-all A; otherwise C + A. An uneven expert placement (`expert_load`: max/mean
+  copies per EP rank) multiplies the routed expert compute: the slowest rank paces the combine.
 - Pipeline: point-to-point send of the (sequence-parallel) hidden state per micro-batch and stage boundary.
 - Data parallelism (ZeRO-1): gradient reduce-scatter overlapped with the last micro-batch's backward, parameter
   all-gather overlapped with the first micro-batch's forward; only the excess is exposed. Expert gradients reduce
@@ -79,6 +80,10 @@ class Workload:
     # the EP exchanges move static padded buffers, as this project's dispatchers do (parallel/ep/capacity.py), not
     # exactly the routed copies (a variable-size all-to-all: Megatron's dropless dispatcher, DeepEP)
     padded_exchange: bool = False
+    # max/mean routed token copies over the EP ranks (1: balanced, what routing balance alone aims at): the most
+    # loaded rank computes that many times the mean copies and the combine waits for it, so it sets every rank's
+    # expert time (and, without padded buffers, its receive sets the exchange's); how an expert placement is priced
+    expert_load: float = 1.0
 
 
 @dataclass
@@ -286,8 +291,8 @@ class _Costing:
         experts' capacity) under padded_exchange, else the routed copies T/tp x k themselves."""
         s, k, E = self.s, self.s.top_k, self.s.num_routed_experts
         nodes, local = self.group_span(self.ep, self.etp)
-        if not self.w.padded_exchange:
-            return self.Tl * k, self.Tl * k
+        if not self.w.padded_exchange:      # the most loaded rank receives expert_load x the mean
+            return self.Tl * k * self.w.expert_load, self.Tl * k * self.w.expert_load
         cf = s.expert_capacity_factor
         flat = self.ep * exchange_rows(self.Tl, k, E / self.ep, E, cf)
         inner = local * exchange_rows(nodes * self.Tl, k, E / self.ep, E, cf, nodes)
@@ -353,7 +358,8 @@ class _Costing:
         af, ab_, a_rsel, a_full, a_sel, a_elem = self.attention()
         E, k = s.num_routed_experts, s.top_k
         local_experts = E / self.ep
-        pairs = Tl * k * self.etp  # token-expert rows this device computes (each expert split etp ways)
+        # token-expert rows the most loaded device computes (each expert split etp ways)
+        pairs = Tl * k * self.etp * self.w.expert_load
         rows = pairs / local_experts
         inter = s.moe_intermediate / self.etp
         e1f, e1b = self.gemm(rows, h, 2 * inter, local_experts)
