@@ -95,6 +95,10 @@ class ExpertMigrator:
             self.predictor.observe(self.window.total())
             self.forecasts += 1
 
+    def over_ranks(self, value: float) -> np.ndarray:
+        """A float of every EP rank, in the group's order (one all-gather)."""
+        return self.transport.all_gather(Tensor(np.array([value], np.float32))).asnumpy()
+
     def imbalance(self, loads: np.ndarray) -> float:
         """max/mean EP-rank load of this step's loads [all routers, E] (labels: rank = label // per), mean over
         this rank's layers."""

@@ -86,6 +86,14 @@ class StepLogger:
                   f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {eta}", flush=True)
         return record
 
+    def image(self, tag: str, png: Path, step: int) -> None:
+        """A PNG already written (e.g. an expert-load heatmap) as a TensorBoard image."""
+        if self.writer is None:
+            return
+        import matplotlib.pyplot as plt
+        self.writer.add_image(tag, plt.imread(png)[..., :3], step, dataformats="HWC")
+        self.writer.flush()
+
     def log_eval(self, step: int, loss: float) -> None:
         if self.jsonl is None:
             return

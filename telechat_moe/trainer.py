@@ -29,6 +29,7 @@ from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
 from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
+from dvm_fusion.grouped_matmul import KERNEL_CLOCK
 from parallel.comm import AllReduce, ProcessGroups, transport_for
 from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
@@ -357,6 +358,7 @@ class Trainer:
                                        self.ep.ranks_per_node, peak_flops) \
             if recipe.expert_placement.interval and mlps else None
         self.load_imbalance = None      # this step's max/mean EP-rank load (dynamic placement)
+        self.expert_seconds = None      # this step's expert kernel seconds per EP rank (dynamic placement)
         self.scaler = LossScaler.from_recipe(recipe)
         self.micro = p.micro_batch_num
         d = recipe.data
@@ -578,6 +580,7 @@ class Trainer:
         grad_scale = Tensor(1.0 / (self.scaler.scale * self.micro), ms.float32)
         lr = self.learning_rate(self.step)
         sums, loads, grads = np.zeros(5), None, None
+        KERNEL_CLOCK.take()     # from here the step's own expert kernels (not the dumps' forward, not evaluation)
         if self.pipeline is not None:
             micro = self.pipeline.microbatches(lambda rows: self._tensors(batch, rows), local, self.micro)
             result = self.pipeline.run(micro, self.scaler.scale, grad_scale, Tensor(lr, ms.float32), dumping)
@@ -605,6 +608,7 @@ class Trainer:
         if self.migrator is not None:
             self.migrator.observe(loads, self.step + 1)
             self.load_imbalance = self.migrator.imbalance(loads)
+            self.expert_seconds = self.migrator.over_ranks(KERNEL_CLOCK.take())
         total, lm, mtp, aux, z = self._mean_over_ranks(sums / self.micro)
         values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy()),
                   "lr": lr}
@@ -632,6 +636,7 @@ class Trainer:
     def _migrate(self) -> None:
         """The experts re-placed after this step's update, before its checkpoint (telechat_moe/expert_placement.py)."""
         d = self.migrator.decide()
+        self._heatmaps()
         info(f"[experts] step {self.step}: {d.layers_moved} of {len(self.router_rows)} layers re-placed, "
              f"{d.experts_moved} experts moved ({d.bytes / 2 ** 20:.2f} MiB of weights and Adam moments), forecast "
              f"max/mean EP-rank load {d.imbalance_before:.3f} -> {d.imbalance_after:.3f}, {d.seconds * 1e3:.0f} ms",
@@ -640,9 +645,27 @@ class Trainer:
     def _placement_scalars(self) -> dict:
         if self.migrator is None:
             return {}
-        total = self.migrator.total
-        return {"expert_max_mean_load": self.load_imbalance, "experts_moved": float(total.experts_moved),
-                "expert_bytes_moved": total.bytes, "expert_migration_s": total.seconds}
+        total, seconds, error = self.migrator.total, self.expert_seconds, self.migrator.predictor.error()
+        out = {"expert_max_mean_load": self.load_imbalance, "experts_moved": float(total.experts_moved),
+               "expert_bytes_moved": total.bytes, "expert_migration_s": total.seconds,
+               # the routed experts' kernel time of the slowest EP rank and the mean (every rank waits for the
+               # slowest in the combine); which rank that was
+               "expert_kernel_max_s": float(seconds.max()), "expert_kernel_mean_s": float(seconds.mean()),
+               "expert_kernel_slowest_rank": float(np.argmax(seconds))}
+        if error is not None:       # the last window's forecast against the load that came (relative L1)
+            out["expert_forecast_error"] = error
+        return out
+
+    def _heatmaps(self) -> None:
+        """Each of this rank's routers' expert x step load over the kept window: a PNG (the latest) and a
+        TensorBoard image at this step."""
+        if not self.main:
+            return
+        folder = self.out / "logs" / "expert_load"
+        folder.mkdir(parents=True, exist_ok=True)
+        for r, row in enumerate(self.router_rows):
+            path = self.migrator.window.heatmap_png(folder / f"router_{row}.png", r)
+            self.logger.image(f"expert_load/router_{row}", path, self.step)
 
     def _traffic_bytes(self) -> dict:
         """Bytes the step's expert all-to-alls moved across and inside nodes, for the flat and the hierarchical
@@ -746,8 +769,6 @@ class Trainer:
         summary = {**last, "eval_lm_loss": eval_loss}
         if self.main:
             (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))
-            if self.migrator is not None:     # the last window's load per expert (original ids) and step
-                (self.out / "logs" / "expert_load").mkdir(exist_ok=True)
-                for r, row in enumerate(self.router_rows):
-                    self.migrator.window.heatmap_png(self.out / "logs" / "expert_load" / f"router_{row}.png", r)
+            if self.migrator is not None and not self.migrator.due(self.step):   # the last window's load
+                self._heatmaps()
         return summary

@@ -27,7 +27,8 @@ def test_experts_move_between_ranks_and_the_model_computes_the_same(tmp_path, on
     common = [*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}"]
     proc, logs = msrun(4, tmp_path / "logs", "run_train.py", "--recipe", "tiny",
                        *sets(*common, "parallel_config.data_parallel=4", "parallel_config.expert_parallel=4",
-                             "expert_placement.interval=2", "expert_placement.threshold=0", f"output_dir={out}"),
+                             "expert_placement.interval=2", "expert_placement.threshold=0",
+                             "expert_placement.window=1", f"output_dir={out}"),
                        cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "[experts] step 2:" in logs and "[experts] step 4:" in logs, logs
@@ -35,7 +36,14 @@ def test_experts_move_between_ranks_and_the_model_computes_the_same(tmp_path, on
     logged = metrics(out)
     assert logged[4]["experts_moved"] > logged[2]["experts_moved"] > 0 and logged[4]["expert_bytes_moved"] > 0
     assert all(logged[s]["expert_max_mean_load"] >= 1 for s in range(1, 5))
+    # every step's routed expert kernels timed on each EP rank; the forecast checked against each window from the
+    # second on (window 1: every step)
+    assert all(logged[s]["expert_kernel_max_s"] >= logged[s]["expert_kernel_mean_s"] > 0 for s in range(1, 5))
+    assert all(0 <= logged[s]["expert_kernel_slowest_rank"] < 4 for s in range(1, 5))
+    assert "expert_forecast_error" not in logged[1] and all(logged[s]["expert_forecast_error"] > 0 for s in (2, 4))
     assert (out / "logs" / "expert_load" / "router_0.png").stat().st_size > 5000
+    events = b"".join(p.read_bytes() for p in (out / "logs" / "tensorboard").glob("events.*"))
+    assert all(f"expert_load/router_{r}".encode() in events for r in range(4)), "heatmaps as TensorBoard images"
 
     # the step-2 checkpoint: every rank's expert rows put together, back in original order by the saved labels,
     # equal the one-process run's (rounding apart: AdamW moves an element by at most about lr per step); the

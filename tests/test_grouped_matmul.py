@@ -20,7 +20,7 @@ def reference(x, w, sizes):
 def test_grouped_matmul_forward_and_backward_match_reference(sizes):
     import mindspore as ms
     from mindspore import Parameter, Tensor, nn
-    from dvm_fusion.grouped_matmul import grouped_matmul_cpu
+    from dvm_fusion.grouped_matmul import KERNEL_CLOCK, grouped_matmul_cpu
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(0)
     n, k, m = sum(sizes), 48, 24
@@ -39,7 +39,10 @@ def test_grouped_matmul_forward_and_backward_match_reference(sizes):
     net = Net()
     grad = ms.value_and_grad(net, grad_position=0, weights=net.trainable_params())
     g = Tensor(np.array(sizes, np.int32))
+    KERNEL_CLOCK.take()
     _, (dx, (dw,)) = grad(Tensor(x), g, Tensor(dy))
+    dw.asnumpy()
+    assert KERNEL_CLOCK.take() > 0 and KERNEL_CLOCK.take() == 0, "the kernels' time is counted, once"
     y = grouped_matmul_cpu(Tensor(x), Tensor(w), g).asnumpy()
     assert_close(y, reference(x, w, sizes), tolerance("float32", k), "forward")
     dx_ref = np.concatenate([dy[a:a + s].astype(np.float64) @ w[e].T.astype(np.float64)
