@@ -134,6 +134,8 @@ class ExpertPlacementConfig:
     interval: int = 0                    # steps between decisions; 0: the static placement (expert e on e // (E/ep))
     window: int = 20                     # steps of router load per window the predictor takes
     threshold: float = 1.0               # a move needs predicted gain > threshold x its cost (0: any gain)
+    spare_slots: int = 0                 # slots per EP rank beyond E/ep for replicas of hot experts (their tokens
+                                         # split between the copies); each costs one expert's weights and moments
 
 
 # A switch MindSpore spells ON / OFF (YAML reads a bare ON or OFF as a boolean; both spellings are taken).
@@ -408,6 +410,13 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     require(not x.interval or m.n_group <= 1,
             f"expert_placement.interval: group-limited routing (model.n_group={m.n_group}) ties experts to their "
             f"groups; moving them is not supported")
+    require(x.spare_slots >= 0, f"expert_placement.spare_slots: expected 0 or more, got {x.spare_slots}")
+    if x.spare_slots:
+        for ok, why in ((x.interval > 0, "expert_placement.interval > 0 (replicas are made by migrations)"),
+                        (m.moe_token_dispatcher_type == "alltoall", "model.moe_token_dispatcher_type: alltoall"),
+                        (m.moe_expert_capacity_factor is None, "dropless routing (no moe_expert_capacity_factor)"),
+                        (p.pipeline_stage == 1, "pipeline_stage: 1")):
+            require(ok, f"expert_placement.spare_slots: replicas need {why}")
     require(p.pipeline_scheduler in ("1f1b", "gpipe"),
             f"parallel_config.pipeline_scheduler: expected 1f1b or gpipe, got {p.pipeline_scheduler!r}")
     for key in ("log_interval", "save_interval", "eval_interval", "keep_checkpoints", "eval_batches"):

@@ -41,6 +41,7 @@ from telechat_moe.expert_placement import ExpertMigrator
 from telechat_moe.metrics import StepLogger, Timer, info, keep_records_until
 from telechat_moe.model import AbsentLayer, TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
+from telechat_moe.moe.replicas import SumReplicaGradients, outside_checkpoints
 from telechat_moe.moe.router import expert_bias_delta
 from telechat_moe.optim import build_adamw, lr_at
 from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
@@ -175,10 +176,11 @@ class TrainStep(nn.Cell):
     first value, and training crawled)."""
 
     def __init__(self, forward_backward: ForwardBackward, prepare: PrepareGradients, optimizer: nn.Optimizer,
-                 micro_batches: int):
+                 micro_batches: int, replica_sum: SumReplicaGradients | None = None):
         super().__init__(auto_prefix=False)
         self.forward_backward = forward_backward
         self.prepare = prepare
+        self.replica_sum = replica_sum
         self.optimizer = optimizer
         self.map = ops.HyperMap()
         self.accum = optimizer.parameters.clone(prefix="grad_accum", init="zeros") if micro_batches > 1 else None
@@ -193,6 +195,8 @@ class TrainStep(nn.Cell):
                 return total, lm, mtp, aux, z, loads, ops.zeros((), ms.float32), True
             grads = self.map(ops.add, grads, self.accum)
             self.map(zero_out, self.accum)
+        if self.replica_sum is not None:
+            grads = self.replica_sum(grads)
         grads, norm, finite = self.prepare(grads, grad_scale)
         ops.assign(self.optimizer.learning_rate, lr)
         if finite:
@@ -320,7 +324,8 @@ class Trainer:
              f"{self.data.tokenizer.vocab_size} ({tm.seconds:.1f}s)", self.main)
 
         device = recipe.context.device_target
-        self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device)
+        self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device,
+                                    recipe.expert_placement.spare_slots)
         self.tp = TensorParallel.of(recipe.layout, rank, device)
         self.stages = p.pipeline_stage
         self.plan = stage_plan(recipe, rank) if self.stages > 1 else None
@@ -341,23 +346,30 @@ class Trainer:
         def prepare(counted=None, pp=None):
             return PrepareGradients(self.weights, kinds, p.data_parallel, o.grad_clip, self.groups, counted, pp)
 
+        self.router_rows, mlps = routed_layers(self.model)
         if self.plan:
             self.pipeline = PipelineTrainStep(recipe, rank, self.model, self.plan, self.weights, prepare,
                                               self.optimizer, device)
         else:
             self.pipeline = None
             self.forward_backward = ForwardBackward(self.model, self.weights)
-            self.step_graph = TrainStep(self.forward_backward, prepare(), self.optimizer, p.micro_batch_num)
+            replica_sum, counted = None, None
+            if self.ep.spare_slots:     # a replica's gradient is its home copy's: counted once in the norm
+                replica_sum = SumReplicaGradients(
+                    self.weights, [(((m.experts.w1, m.experts.w1_spare), (m.experts.w2, m.experts.w2_spare)),
+                                    m.slots) for m in mlps], cfg.n_routed_experts, self.groups.ep, self.ep.index)
+                counted = tuple(not w.name.endswith("_spare") for w in self.weights)
+            self.step_graph = TrainStep(self.forward_backward, prepare(counted), self.optimizer, p.micro_batch_num,
+                                        replica_sum)
             self.evaluate = Evaluate(self.model)
         self.sum_over_ranks = OverRanks(ops.AllReduce()) if world > 1 else None
-        self.router_rows, mlps = routed_layers(self.model)
         self.biases = [mlp.gate.expert_bias for mlp in mlps]
         self.move_biases = (MoveExpertBiases(self.biases)
                             if self.biases and recipe.model.moe_router_enable_expert_bias else None)
         self.migrator = ExpertMigrator(recipe, self.router_rows, mlps, self.optimizer, self.groups.ep, self.ep.index,
                                        self.ep.ranks_per_node, peak_flops) \
             if recipe.expert_placement.interval and mlps else None
-        self.load_imbalance = None      # this step's max/mean EP-rank load (dynamic placement)
+        self.load_imbalance = None      # this step's max/mean EP-rank load per router (dynamic placement)
         self.expert_seconds = None      # this step's expert kernel seconds per EP rank (dynamic placement)
         self.scaler = LossScaler.from_recipe(recipe)
         self.micro = p.micro_batch_num
@@ -444,14 +456,15 @@ class Trainer:
     def _dump(self, step: int, forward: list, values: dict, grads) -> None:
         from precision.capture import grad_records, optimizer_records
         from precision.dump import TensorRecord
-        names = [p.name for p in self.weights]
         opt = self.optimizer
+        # the one-process model's tensors: the replicas in spare slots are copies of their home experts
+        kept = [i for i, p in enumerate(self.weights) if not outside_checkpoints(p.name)]
+        names = [self.weights[i].name for i in kept]
         records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
         # the whole model's tensors: a routed expert's gathered from the EP group, a tensor-parallel slice from the
         # tp group, a pipeline stage's from the pipeline group, so any layout aligns with any
-        states = {"grad": [self._whole(n, g) for n, g in zip(names, grads)],
-                  "adam_m": [self._whole(n, m) for n, m in zip(names, opt.exp_avg)],
-                  "adam_v": [self._whole(n, v) for n, v in zip(names, opt.exp_avg_sq)]}
+        states = {kind: [self._whole(names[j], values[i]) for j, i in enumerate(kept)]
+                  for kind, values in (("grad", grads), ("adam_m", opt.exp_avg), ("adam_v", opt.exp_avg_sq))}
         if self.migrator is not None:    # experts and router rows in the experts' original order
             from precision.dump import to_numpy
             states = {kind: [self.migrator.original_order(n, to_numpy(v)[0]) for n, v in zip(names, values)]
@@ -535,9 +548,10 @@ class Trainer:
 
     # -- checkpoints --
     def _all_params(self) -> list:
+        """What a checkpoint holds: every parameter and optimizer state but the replicas' (rebuilt on resume)."""
         seen, out = set(), []
         for p in list(self.model.get_parameters()) + list(self.optimizer.get_parameters()):
-            if p.name not in seen:
+            if p.name not in seen and not outside_checkpoints(p.name):
                 seen.add(p.name)
                 out.append(p)
         return out
@@ -548,7 +562,7 @@ class Trainer:
         state = {"step": self.step, "data": self.loader.state_dict(), "loss_scale": self.scaler.scale,
                  "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed, "recipe": self.r.name}
         if self.migrator is not None:
-            state["expert_labels"] = self.migrator.state_dict()
+            state.update(self.migrator.state_dict())
         path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, self._all_params(), state,
                                self.r.training.keep_checkpoints, shards=self._shards(), world=self.world)
         info(f"[ckpt] saved {path}", self.main)
@@ -566,7 +580,7 @@ class Trainer:
         self.scaler.scale = float(state["loss_scale"])
         self.scaler.good_steps = int(state["loss_scale_good_steps"])
         if self.migrator is not None:
-            self.migrator.load_state_dict(state.get("expert_labels") or {})
+            self.migrator.load_state_dict(state)
         info(f"[ckpt] resumed from {path} at step {self.step}", self.main)
         return True
 
@@ -638,15 +652,20 @@ class Trainer:
         d = self.migrator.decide()
         self._heatmaps()
         info(f"[experts] step {self.step}: {d.layers_moved} of {len(self.router_rows)} layers re-placed, "
-             f"{d.experts_moved} experts moved ({d.bytes / 2 ** 20:.2f} MiB of weights and Adam moments), forecast "
-             f"max/mean EP-rank load {d.imbalance_before:.3f} -> {d.imbalance_after:.3f}, {d.seconds * 1e3:.0f} ms",
-             self.main)
+             f"{d.experts_moved} experts moved, {d.replicas_made} replicas made ({d.bytes / 2 ** 20:.2f} MiB of "
+             f"weights and Adam moments), forecast "
+             f"max/mean EP-rank load {d.imbalance_before:.3f} -> {d.imbalance_after:.3f}, {d.seconds * 1e3:.0f} ms"
+             + "".join(f"; kept {why}" for why in d.kept), self.main)
 
     def _placement_scalars(self) -> dict:
         if self.migrator is None:
             return {}
         total, seconds, error = self.migrator.total, self.expert_seconds, self.migrator.predictor.error()
-        out = {"expert_max_mean_load": self.load_imbalance, "experts_moved": float(total.experts_moved),
+        out = {"expert_max_mean_load": float(self.load_imbalance.mean()),
+               **{f"expert_max_mean_load_router_{row}": float(x) for row, x in zip(self.router_rows,
+                                                                                    self.load_imbalance)},
+               "experts_moved": float(total.experts_moved),
+               "expert_replicas_made": float(total.replicas_made),
                "expert_bytes_moved": total.bytes, "expert_migration_s": total.seconds,
                # the routed experts' kernel time of the slowest EP rank and the mean (every rank waits for the
                # slowest in the combine); which rank that was

@@ -168,7 +168,8 @@ class HierarchicalDispatcher(nn.Cell):
 @dataclass(frozen=True)
 class ExpertParallel:
     """Where this rank sits among the routed experts: the EP degree and coordinate, its transports (None at ep=1),
-    and the dispatcher kind (`alltoall` or `hierarchical`) used when ep > 1."""
+    the dispatcher kind (`alltoall` or `hierarchical`) used when ep > 1, and the spare slots each rank holds for
+    replicas of hot experts (telechat_moe/moe/replicas.py)."""
     ep: int = 1
     index: int = 0
     kind: str = "alltoall"
@@ -176,9 +177,11 @@ class ExpertParallel:
     group: object = None           # transport on the EP group
     in_node: object = None         # hierarchical: the EP ranks of this node
     across_nodes: object = None    # hierarchical: this rank's counterparts in the other nodes
+    spare_slots: int = 0
 
     @classmethod
-    def of(cls, layout: ParallelLayout, rank: int, kind: str, device_target: str) -> "ExpertParallel":
+    def of(cls, layout: ParallelLayout, rank: int, kind: str, device_target: str,
+           spare_slots: int = 0) -> "ExpertParallel":
         if layout.ep == 1:
             return cls()
         groups = ProcessGroups(layout, rank)
@@ -187,7 +190,8 @@ class ExpertParallel:
         if kind == "hierarchical":
             return cls(layout.ep, ep_index, kind, per_node, None, transport_for(groups.ep_in_node(), device_target),
                        transport_for(groups.ep_across_nodes(), device_target))
-        return cls(layout.ep, ep_index, kind, per_node, transport_for(groups.axis(Axis.EP), device_target))
+        return cls(layout.ep, ep_index, kind, per_node, transport_for(groups.axis(Axis.EP), device_target),
+                   spare_slots=spare_slots)
 
     def experts(self, num_experts: int) -> tuple[int, int]:
         """The routed experts [first, last) this rank holds."""

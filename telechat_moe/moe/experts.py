@@ -3,7 +3,9 @@
 Weights are stacked per expert, gate and up fused: w1 [E, h, 2*I], w2 [E, I, h], where E is the experts this rank
 holds (all of them, or its expert-parallel share [first, last)). Each expert's initial weights are drawn from a
 generator of its own, seeded by (seed, layer, expert), so an expert starts the same whichever rank holds it and a
-run at any expert_parallel computes the same function as one process. The kernel is injected (CPU hand-written
+run at any expert_parallel computes the same function as one process. `spare` slots (w1_spare, w2_spare) hold
+replicas of other ranks' experts (telechat_moe/moe/replicas.py), zero while empty; they follow the home slots in
+the grouped matmul. The kernel is injected (CPU hand-written
 kernel or Ascend GroupedMatmul, both dropless with the same contract), so fused or communication-overlapped expert
 kernels can replace it without touching routing or dispatch.
 """
@@ -22,7 +24,7 @@ def expert_init(seed: int, layer: int, first: int, last: int, shape: tuple, std:
 
 class GroupedExperts(nn.Cell):
     def __init__(self, experts: tuple[int, int], hidden: int, intermediate: int, init_std: float, grouped_matmul,
-                 compute_dtype=ms.float32, layer: int = 0):
+                 compute_dtype=ms.float32, layer: int = 0, spare: int = 0):
         super().__init__()
         first, last = experts
         seed = ms.get_seed() or 0
@@ -31,11 +33,19 @@ class GroupedExperts(nn.Cell):
                             name="w1")
         self.w2 = Parameter(Tensor(expert_init(seed, layer, first, last, (intermediate, hidden), init_std, 2)),
                             name="w2")
+        self.spare = spare
+        if spare:
+            self.w1_spare = Parameter(Tensor(np.zeros((spare, hidden, 2 * intermediate), np.float32)),
+                                      name="w1_spare")
+            self.w2_spare = Parameter(Tensor(np.zeros((spare, intermediate, hidden), np.float32)), name="w2_spare")
         self.grouped_matmul = grouped_matmul
         self.compute_dtype = compute_dtype
 
     def construct(self, tokens, group_sizes):
         cdt = self.compute_dtype
-        gate_up = self.grouped_matmul(tokens.astype(cdt), self.w1.astype(cdt), group_sizes)
+        w1, w2 = self.w1, self.w2
+        if self.spare:
+            w1, w2 = ops.concat((w1, self.w1_spare), 0), ops.concat((w2, self.w2_spare), 0)
+        gate_up = self.grouped_matmul(tokens.astype(cdt), w1.astype(cdt), group_sizes)
         act = ops.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-        return self.grouped_matmul(act, self.w2.astype(cdt), group_sizes)
+        return self.grouped_matmul(act, w2.astype(cdt), group_sizes)

@@ -21,6 +21,7 @@ from telechat_moe.config import ModelConfig
 from telechat_moe.layers import SwiGLU, ms_dtype, weight_seed
 from telechat_moe.moe.dispatch import ExpertParallel, make_dispatcher
 from telechat_moe.moe.experts import GroupedExperts
+from telechat_moe.moe.replicas import ExpertSlots
 from telechat_moe.moe.router import TopKRouter
 
 
@@ -33,12 +34,16 @@ class MoELayer(nn.Cell):
         super().__init__()
         cdt = ms_dtype(cfg.compute_dtype)
         self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), tp)
-        self.dispatcher = make_dispatcher(cfg.n_routed_experts, cfg.num_experts_per_tok, ep, cdt,
+        # with spare slots the dispatcher sends copies to global slots (ep x (E/ep + spare)), the labels mapped
+        # by `slots`
+        self.slots = ExpertSlots(cfg.n_routed_experts, ep.ep, ep.spare_slots) if ep.spare_slots else None
+        self.slots_per_rank = cfg.n_routed_experts // ep.ep + ep.spare_slots
+        self.dispatcher = make_dispatcher(ep.ep * self.slots_per_rank, cfg.num_experts_per_tok, ep, cdt,
                                           cfg.moe_expert_capacity_factor)
         self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
-                                      cfg.initializer_range, grouped_matmul, cdt, layer)
+                                      cfg.initializer_range, grouped_matmul, cdt, layer, ep.spare_slots)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
                                      cfg.initializer_range, cdt, seed, f"{name}.shared_experts", tp)
         # the rank's token share under tp without sequence parallelism: split off, and the outputs gathered back
@@ -48,9 +53,10 @@ class MoELayer(nn.Cell):
             self.gather_tokens = GatherSequenceReplicated(tp)
         self.chunks = cfg.moe_comm_chunks
         self.ep = ep
-        self.experts_per_rank = cfg.n_routed_experts // ep.ep
 
     def routed(self, x, indices, weights):
+        if self.slots is not None:
+            indices = self.slots(indices)
         if self.capacity_factor is not None:     # each expert's capacity of this rank's tokens (of this slice)
             capacity = int(expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor))
             indices, weights = drop_over_capacity(indices, weights, self.num_experts, capacity, self.drop_policy)
@@ -61,7 +67,9 @@ class MoELayer(nn.Cell):
         """[4] token copies this rank's routing sends (flat inter/intra-node, hierarchical inter/intra-node)."""
         if self.ep.ep == 1:
             return ops.zeros(4, ms.float32)
-        return dispatch_counts(indices, self.ep.index, self.experts_per_rank, self.ep.ranks_per_node,
+        if self.slots is not None:
+            indices = self.slots(indices)
+        return dispatch_counts(indices, self.ep.index, self.slots_per_rank, self.ep.ranks_per_node,
                                self.ep.ep // self.ep.ranks_per_node)
 
     def construct(self, x):
