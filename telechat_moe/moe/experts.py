@@ -4,10 +4,9 @@ Weights are stacked per expert, gate and up fused: w1 [E, h, 2*I], w2 [E, I, h],
 holds (all of them, or its expert-parallel share [first, last)). Each expert's initial weights are drawn from a
 generator of its own, seeded by (seed, layer, expert), so an expert starts the same whichever rank holds it and a
 run at any expert_parallel computes the same function as one process. `spare` slots (w1_spare, w2_spare) hold
-replicas of other ranks' experts (telechat_moe/moe/replicas.py), zero while empty; they follow the home slots in
-the grouped matmul. The kernel is injected (CPU hand-written
-kernel or Ascend GroupedMatmul, both dropless with the same contract), so fused or communication-overlapped expert
-kernels can replace it without touching routing or dispatch.
+replicas of hot experts (telechat_moe/moe/replicas.py), zero while empty; they follow the home slots in the grouped
+matmul. The kernel is injected (CPU hand-written kernel or Ascend GroupedMatmul, both dropless with the same
+contract), so fused or communication-overlapped expert kernels can replace it without touching routing or dispatch.
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ result equals the unsliced layer's (dropless; with `moe_expert_capacity_factor` 
 Under tensor parallelism the rank routes and dispatches its own 1/tp of the sequence positions: its sequence shard
 under sequence parallelism, otherwise its slice of the replicated input, the routed outputs then gathered back.
 The EP group folds over the tensor-parallel ranks (ParallelLayout's expert slab), so the tp ranks of one group
-exchange their token shares with each other's experts; the shared expert is a tensor-parallel SwiGLU."""
+exchange their token shares with each other's experts; the shared expert is a tensor-parallel SwiGLU.
+
+With spare slots (`expert_placement.spare_slots`) the router's labels become global slots before the dispatch
+(moe/replicas.py), so a replicated expert's tokens divide between its copies."""
 from __future__ import annotations
 
 import mindspore as ms
