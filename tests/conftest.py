@@ -23,8 +23,8 @@ PARALLEL_COMMON = ["training.train_steps=4", "training.save_interval=1", "traini
 # fixtures are computed once), in this order. Most tests use about one core (compiling a graph is serial), so two
 # workers fill the machine; the modules that take minutes go first, so that the run does not end on one of them
 # alone. By their durations in the last whole run, longest first; the rest keep their order after them.
-SLOW_MODULES = ("test_tensor_parallel", "test_training", "test_data_parallel", "test_expert_parallel",
-                "test_pipeline_training", "test_expert_migration", "test_failures", "test_precision_faults",
+SLOW_MODULES = ("test_expert_migration", "test_tensor_parallel", "test_training", "test_data_parallel",
+                "test_expert_parallel", "test_pipeline_training", "test_failures", "test_precision_faults",
                 "test_show_parallel", "test_train_step", "test_pipeline_executor", "test_hf_equivalence")
 
 
