@@ -358,7 +358,7 @@ class Trainer:
                 replica_sum = SumReplicaGradients(
                     self.weights, [(((m.experts.w1, m.experts.w1_spare), (m.experts.w2, m.experts.w2_spare)),
                                     m.slots) for m in mlps], cfg.n_routed_experts, self.groups.ep, self.ep.index)
-                counted = tuple(not w.name.endswith("_spare") for w in self.weights)
+                counted = tuple(not outside_checkpoints(w.name) for w in self.weights)
             self.step_graph = TrainStep(self.forward_backward, prepare(counted), self.optimizer, p.micro_batch_num,
                                         replica_sum)
             self.evaluate = Evaluate(self.model)

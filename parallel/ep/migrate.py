@@ -69,6 +69,6 @@ def homes(slot_expert: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray] | 
     home = home.reshape(ranks, per)
     spare = np.full((ranks, slots - per), -1, np.int64)
     for r in range(ranks):
-        others = [e for e in slot_expert[r] if e >= 0 and e not in set(home[r].tolist())]
+        others = [e for e in slot_expert[r] if e >= 0 and e not in home[r]]
         spare[r, :len(others)] = others
     return home, spare
