@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT.parent / "shared" / "data" / "corpus"
 
 
-def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | Path | None = None):
+def run_cli(*args: str, timeout: float = 900, env: dict | None = None, cwd: str | Path | None = None):
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3", **(env or {})}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
                           env=full_env, cwd=str(cwd or ROOT))
@@ -36,15 +36,18 @@ def one_msrun_at_a_time():
     return FileLock(os.path.join(tempfile.gettempdir(), "telechat_tests_msrun.lock"))
 
 
-def msrun(world: int, log_dir: Path, *args: str, cluster_time_out: int = 60, env: dict | None = None):
+def msrun(world: int, log_dir: Path, *args: str, cluster_time_out: int = 60, env: dict | None = None,
+          timeout: float = 1200):
     """`msrun --worker_num=world ... ARGS` on this machine with --join=True, the venv's python first on PATH (msrun
-    starts its workers with the first python there) -> (completed process, the tail of every worker's log)."""
+    starts its workers with the first python there) -> (completed process, the tail of every worker's log).
+    `timeout` only guards against a hang that cluster_time_out misses: CI's machines have run these jobs at half this
+    machine's speed (a 4-rank migration run took over 600 s there)."""
     command = shutil.which("msrun", path=os.path.dirname(sys.executable))
     path = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     with one_msrun_at_a_time():
         proc = run_cli(command, f"--worker_num={world}", f"--local_worker_num={world}",
                        f"--master_port={free_port()}", "--join=True", f"--log_dir={log_dir}",
-                       f"--cluster_time_out={cluster_time_out}", *args, env={**path, **(env or {})})
+                       f"--cluster_time_out={cluster_time_out}", *args, env={**path, **(env or {})}, timeout=timeout)
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in Path(log_dir).glob("worker_*.log"))
     return proc, logs
 

@@ -58,6 +58,11 @@ class MoELayer(nn.Cell):
         self.ep = ep
 
     def routed(self, x, indices, weights):
+        # Labels become slots here and again in `traffic`, not once in construct: with one mapped tensor feeding
+        # both, MindSpore's CPU backend compiled the dp=4 x ep=4 replica step for over 7 minutes (a recursive walk
+        # of the graph's inputs, seen in gdb; past 600 s in CI) where it takes about one.
+        if self.slots is not None:
+            indices = self.slots(indices)
         if self.capacity_factor is not None:     # each expert's capacity of this rank's tokens (of this slice)
             capacity = int(expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor))
             indices, weights = drop_over_capacity(indices, weights, self.num_experts, capacity, self.drop_policy)
@@ -68,6 +73,8 @@ class MoELayer(nn.Cell):
         """[4] token copies this rank's routing sends (flat inter/intra-node, hierarchical inter/intra-node)."""
         if self.ep.ep == 1:
             return ops.zeros(4, ms.float32)
+        if self.slots is not None:
+            indices = self.slots(indices)
         return dispatch_counts(indices, self.ep.index, self.slots_per_rank, self.ep.ranks_per_node,
                                self.ep.ep // self.ep.ranks_per_node)
 
@@ -78,8 +85,6 @@ class MoELayer(nn.Cell):
         b, s, h = mine.shape
         flat = mine.reshape(b * s, h)
         indices, weights, aux, z, load = self.gate(flat, b)
-        if self.slots is not None:      # labels to global slots, once: the dispatch and its traffic go by slot
-            indices = self.slots(indices)
         if self.chunks == 1:
             routed = self.routed(flat, indices, weights)
         else:
