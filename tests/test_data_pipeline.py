@@ -52,6 +52,22 @@ def test_default_corpus_is_real_long_tailed_and_deterministic(stdlib_docs):
     assert default_corpus() == stdlib_docs
 
 
+def test_default_corpus_is_cached_by_its_sources(tmp_path, monkeypatch):
+    """Parsed once, read back equal from the cache; an edited source is parsed again, never served stale."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lib = tmp_path / "lib"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "pkg" / "a.py").write_text('"""The first module says what it does, at some length."""\n')
+    (lib / "b.py").write_text('def f():\n    """A function that returns nothing at all, as its name says."""\n')
+    first = default_corpus(str(lib))
+    assert first == ["A function that returns nothing at all, as its name says.",     # a folder's files first
+                     "The first module says what it does, at some length."]
+    assert len(list((tmp_path / "cache" / "telechat_moe").glob("default_corpus-*.json"))) == 1
+    assert default_corpus(str(lib)) == first
+    (lib / "b.py").write_text('"""Another text, long enough to be kept in the corpus."""\n')
+    assert default_corpus(str(lib))[0] == "Another text, long enough to be kept in the corpus."
+
+
 # ---- sources ----------------------------------------------------------------------------------------------------
 
 def test_load_texts_jsonl_and_plain_text(tmp_path):
