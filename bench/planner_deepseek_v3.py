@@ -48,7 +48,7 @@ def predict() -> dict:
     w = Workload(DEEPSEEK_V3, load_cluster("h800"), devices=2048, seq_length=4096, global_batch=16384,
                  precision=Precision(matmul_dtype="fp8", activation_bytes=2, param_bytes=2, grad_bytes=4,
                                      optimizer_bytes=4, dispatch_bytes=1))
-    a = solve_ilp(w, LAYOUT, time_limit=3, schedule="overlapped")
+    a = solve_ilp(w, LAYOUT, schedule="overlapped")
     if a is None:
         raise RuntimeError("no assignment of DeepSeek-V3's layers fits in 80 GB under the stated assumptions")
     sim = simulate_layout(w, LAYOUT, a, schedule="overlapped")

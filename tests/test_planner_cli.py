@@ -1,5 +1,6 @@
 """`python -m telechat_moe.plan`: a search that writes a loadable recipe and a picture, one-layout evaluation, and
 one-line errors with exit code 2 for bad input."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,39 @@ def test_evaluate_one_layout(capsys):
                  "tp=8,pp=8,vpp=2,ep=4,mbs=1,recompute=full,ep_overlap=1"]) == 0
     text = capsys.readouterr().out
     assert "even split, analytic" in text and "even split, simulated" in text and "ILP-balanced" in text
+
+
+def test_evaluate_a_published_layout_the_even_split_cannot_hold(tmp_path, capsys):
+    """DeepSeek-V3's depth (61 layers, 3 dense) at pp=16 x vpp=2: stage 0's even share (3 layers) cannot hold the
+    dense layers and a layer in its second chunk; the even split is reported as impossible, the ILP's placement
+    is scored."""
+    recipe = tmp_path / "61_layers.yaml"
+    recipe.write_text(f"base: {ROOT / 'recipes' / '1t.yaml'}\nmodel:\n  first_k_dense_replace: 3\n"
+                      "  num_hidden_layers: 61\n")
+    assert main(["--recipe", str(recipe), "--devices", "4096", "--evaluate", "tp=8,pp=16,vpp=2,ep=32,mbs=1"]) == 0
+    text = capsys.readouterr().out
+    assert "even split, simulated  : none (layers_per_stage: stage 0 holds 3 layers" in text, text
+    assert "ILP-balanced, simulated: step" in text
+
+
+def test_the_same_search_gives_the_same_plan_on_a_busy_machine():
+    """The solver's budgets are nodes, not seconds: a search beside two processes that keep both cores busy prints
+    the plan of one on a quiet machine (only the lines saying how long it took differ)."""
+    def plan() -> list[str]:
+        r = run("--recipe", "1t", "--devices", "4096", "--top", "5")
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stdout.splitlines() if not re.search(r" in [\d.]+ s", line)]
+
+    quiet = plan()
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        busy = plan()
+    finally:
+        for b in burners:
+            b.kill()
+    assert busy == quiet
+    ranks = [int(line.split()[0]) for line in quiet if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert ranks == [1, 2, 3, 4, 5], "the top list comes back full"
 
 
 @pytest.mark.parametrize("args, expect", [

@@ -238,7 +238,7 @@ def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
 
 
 def balance(units, stages: int, chunks: int, options: PlacementOptions = PlacementOptions(),
-            in_flight=None, time_limit: float = 60.0, tie_break_nodes: int = 500, gap: float | None = None,
+            in_flight=None, node_limit: int | None = None, tie_break_nodes: int = 500, gap: float | None = None,
             tie_breaks: bool = True, prove: bool = True) -> Placement:
     """Exact placement under every stage's memory <= the limit, every segment non-empty, and the MTP options.
 
@@ -250,8 +250,9 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     alike on every stage (1+4 layers from 2+3), which the simulated schedule pays for in its slowest chunk. Each
     later pass keeps the earlier objectives within HiGHS' feasibility tolerance (1e-7 relative), so it only breaks
     their ties. Without `tie_breaks` only the first objective; `gap` is the relative MIP gap the
-    first pass stops at (default HiGHS' own); without `prove` the best placement found within `time_limit` is
-    returned, with that gap in Placement.gap, instead of an error.
+    first pass stops at (default HiGHS' own); without `prove` the best placement found within `node_limit` branch-
+    and-bound nodes per pass is returned, with that gap in Placement.gap, instead of an error. Budgets are nodes,
+    never seconds, so that the same inputs give the same placement however loaded or fast the machine.
 
     A MILP over the p*v-1 cut positions. Inside a run of identical units (the MoE layers) the prefix sums of
     time and memory are linear in the cut's offset, so each cut needs one binary per run it can reach (the run it
@@ -525,7 +526,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         return max(float(x[target]), got)
 
     bound = np.array(upper)
-    proven = {"time_limit": time_limit}
+    proven = {} if node_limit is None else {"node_limit": node_limit}
     res = minimise(goal, bound, proven if gap is None else {**proven, "mip_rel_gap": gap}, prove)
     stopped_at = float(getattr(res, "mip_gap", 0.0) or 0.0) if res.status != 0 else 0.0
     if tie_breaks and chunks > 1:
@@ -540,11 +541,10 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         res = minimise(z, bound, proven, prove)
     # last pass, a tie-break: among the placements with that period, slowest chunk and slowest stage, raise the
     # fastest stage, so that the other stages do not keep whatever uneven split the first passes returned. Its best
-    # within a node budget will do (a node budget, not a time limit, so that the answer does not depend on the
-    # machine's speed).
+    # within a node budget will do.
     if tie_breaks:
-        res = minimise(floor, capped(bound, z, reached(z, res.x)),
-                       {"node_limit": tie_break_nodes, "time_limit": time_limit}, prove=False, sign=-1.0)
+        res = minimise(floor, capped(bound, z, reached(z, res.x)), {"node_limit": tie_break_nodes}, prove=False,
+                       sign=-1.0)
     x = np.round(res.x)
     cuts = []
     for k in range(segs + 1):

@@ -23,30 +23,29 @@ class Candidate:
     scores: dict
 
 
-def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = None, time_limit: float = 1.0,
-           progress=None) -> list[Candidate]:
+def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = None, progress=None) -> list[Candidate]:
     """Balance the best `pool` distinct layouts per chunk by ILP (recompute is re-chosen per chunk, so layouts
     that differ only in their uniform recompute collapse into one), check each with the event-driven simulator,
-    and return the `top` by simulated step time. Scores are the simulator's; 'analytic_step_time' is the ILP's
-    model of the same assignment."""
+    and return the `top` by simulated step time; where some of the pool do not fit once balanced, the next layouts
+    in the search's order are balanced too, until `top` fit or none are left. Scores are the simulator's;
+    'analytic_step_time' is the ILP's model of the same assignment."""
     pool = pool or max(top + 2, 6)
     sc, lay = result.scores, result.layouts
     near = np.flatnonzero(sc["memory"] <= NEAR_FIT * w.cluster.usable_memory)
     order = near[np.argsort(sc["step_time"][near], kind="stable")]
-    seen, picked = set(), []
+    seen, out, tried = set(), [], 0
     for i in order:
         row = lay.row(int(i))
         key = dataclasses.replace(row, recompute="none")
-        if key not in seen:
-            seen.add(key)
-            picked.append(row)
-        if len(picked) == pool:
+        if key in seen:
+            continue
+        seen.add(key)
+        if tried >= pool and len(out) >= top:
             break
-    out = []
-    for n, row in enumerate(picked, 1):
-        a = solve_ilp(w, row, time_limit=time_limit)
+        tried += 1
+        a = solve_ilp(w, row)
         if progress:
-            progress(n, len(picked))
+            progress(tried, max(pool, tried))
         if a is None:
             continue
         counts = [sum(a.recompute_per_stage(r)) for r in range(len(RECOMPUTE))]
