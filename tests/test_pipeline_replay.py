@@ -67,7 +67,8 @@ def dense_setup(n_chunks: int, m: int, rows: int = 3, d: int = 16):
 
 
 @pytest.mark.parametrize("name,p,v,m", [("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4), ("interleaved", 2, 3, 6),
-                                        ("overlapped", 2, 2, 4), ("gpipe", 3, 1, 3)])
+                                        ("overlapped", 2, 2, 4), ("gpipe", 3, 1, 3), ("dualpipev", 2, 2, 4),
+                                        ("dualpipev", 3, 2, 7)])
 def test_dense_stack_gradients_equal_plain_training(name, p, v, m):
     sched = build(name, p, v, m)
     chunks, head, mbs, params, loss, grads, tokens = dense_setup(p * v, m)
@@ -100,10 +101,12 @@ def test_a_wrong_scale_is_caught():
         assert_close(got.grads[params[0].name], grads[0], chain_tolerance("float32", [tokens] * 5))
 
 
-def test_each_gradient_is_accumulated_on_the_stage_of_its_chunk():
+@pytest.mark.parametrize("name,stage_of", [("interleaved", [0, 1, 0, 1]), ("dualpipev", [0, 1, 1, 0])])
+def test_each_gradient_is_accumulated_on_the_stage_of_its_chunk(name, stage_of):
     """The accumulation hook sees every backward's gradients once per micro-batch, on the stage that holds the
-    chunk (chunk c of stage s is virtual stage c*p + s); the head's weights live with the last chunk."""
-    sched = build("interleaved", 2, 2, 4)
+    chunk (`stage_of[k]` for virtual stage k: c*p + s interleaved, a V for DualPipeV, whose stage 0 holds the first
+    and the last chunk); the head's weights live with the last chunk."""
+    sched = build(name, 2, 2, 4)
     chunks, head, mbs, params, *_ = dense_setup(4, 4)
     seen: dict[str, list[int]] = {}
 
@@ -116,13 +119,15 @@ def test_each_gradient_is_accumulated_on_the_stage_of_its_chunk():
     assert set(got.grads) == set(seen) == {w.name for w in params}
     for w in params:
         k = int(w.name.split(".")[0]) if w.name[0].isdigit() else 3
-        assert seen[w.name] == [k % 2] * 4, w.name
+        assert seen[w.name] == [stage_of[k]] * 4, w.name
 
 
 def test_peak_stored_follows_the_schedule():
     sched = build("1f1b", 4, 1, 8)
     chunks, head, mbs, *_ = dense_setup(4, 8)
     assert replay(sched, list(chunks), head, mbs).peak_stored == (4, 3, 2, 1)
+    chunks, head, mbs, *_ = dense_setup(4, 4)
+    assert replay(build("dualpipev", 2, 2, 4), list(chunks), head, mbs).peak_stored == (5, 5)  # 2p + 1 each
 
 
 def test_mismatched_inputs():
@@ -164,9 +169,9 @@ def model_batch(model, m: int, rows: int):
 
 
 def test_telechat_moe_gradients_equal_plain_training():
-    """1F1B on 4 stages, interleaved and overlapped on 2 stages x 2 chunks (one decoder layer per chunk; in the
-    last case an empty last chunk: that stage holds only head, MTP and loss), against one plain value_and_grad of
-    the model's own construct on the whole batch."""
+    """1F1B on 4 stages, interleaved, overlapped and DualPipeV on 2 stages x 2 chunks (one decoder layer per chunk;
+    for overlapped an empty last chunk: that stage holds only head, MTP and loss; DualPipeV puts embedding, head, MTP
+    and loss on stage 0), against one plain value_and_grad of the model's own construct on the whole batch."""
     model = tiny_model()
     m, rows = 4, 2
     full, mbs = model_batch(model, m, rows)
@@ -178,7 +183,7 @@ def test_telechat_moe_gradients_equal_plain_training():
     tol = chain_tolerance("float32", [tokens] * (model.cfg.num_hidden_layers + 2))
 
     for name, p, v, bounds in (("1f1b", 4, 1, [0, 1, 2, 3, 4]), ("interleaved", 2, 2, [0, 1, 2, 3, 4]),
-                               ("overlapped", 2, 2, [0, 1, 2, 4, 4])):
+                               ("overlapped", 2, 2, [0, 1, 2, 4, 4]), ("dualpipev", 2, 2, [0, 1, 2, 3, 4])):
         chunks = [LayerChunk(model, bounds[k], bounds[k + 1]) for k in range(p * v)]
         got = replay(build(name, p, v, m), chunks, HeadAndLoss(model), mbs)
         assert got.loss == pytest.approx(float(loss.asnumpy()), rel=tol.rtol)

@@ -5,6 +5,9 @@ Formulas the tests hold the simulator to (uniform stages, free communication):
 - interleaved 1F1B with v chunks per stage: bubble = (p-1) / (v*m + p-1)
 - activations in flight on stage s: 1F1B min(p-s, m); interleaved 2(p-s-1) + (v-1)p + 1 when m > p (its warm-up
   plus the one in steady state).
+- DualPipeV (2p virtual stages in a V on p stages, per-chunk passes F and B): idle (p-1)(F + 2B) per stage, DeepSeek's
+  (PP/2-1)(F&B + B - 3W) with W = 0 and F&B = F + B (see test_dualpipev_bubble); 2p + 1 chunk activations in flight
+  on every stage (DeepSeek's PP + 1).
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import os
 
 import pytest
 
-from parallel.pipeline.schedules import (Action, Kind, Schedule, ScheduleError, build, dependencies, gpipe,
-                                         interleaved_1f1b, one_f_one_b, overlapped_1f1b, validate)
-from parallel.pipeline.simulator import StageCosts, gantt, simulate, theoretical_bubble
+from parallel.pipeline.schedules import (Action, ChunkLayout, Kind, Schedule, ScheduleError, build, dependencies,
+                                         dualpipe_v, gpipe, interleaved_1f1b, one_f_one_b, overlapped_1f1b, validate)
+from parallel.pipeline.simulator import StageCosts, dualpipe_v_bubble, gantt, simulate, theoretical_bubble
 
 GRID = [(p, v, m) for p in (2, 4, 8) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)]
 
@@ -112,7 +115,7 @@ def test_async_p2p_by_hand():
     assert sends == [(0, 1.0, 1.25, "F0"), (1, 4.25, 4.5, "B0")]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "overlapped"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "overlapped", "dualpipev"])
 def test_timeline_holds_every_transfer(name):
     p2p = 0.05
     s = build(name, 4, 2, 8)
@@ -138,6 +141,99 @@ def test_timeline_holds_every_transfer(name):
     busy = sum(iv.end - iv.start for iv in r.intervals if not iv.kind.startswith("p2p"))
     blocking = sum(iv.end - iv.start for iv in r.intervals if iv.kind == "p2p")
     assert r.bubble_ratio == pytest.approx(1 - (busy + blocking) / (4 * r.step_time))
+
+
+# ---- DualPipeV ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_chunk_layouts_map_virtual_stages_both_ways(p):
+    interleaved, v_shape = build("interleaved", p, 2, 2 * p), build("dualpipev", p, 2, 2 * p)
+    assert v_shape.chunk_layout is ChunkLayout.V
+    for s in range(p):
+        assert (interleaved.virtual_stage(s, 0), interleaved.virtual_stage(s, 1)) == (s, p + s)
+        # down the stages with chunk 0, back up with chunk 1: stage 0 holds the first and the last slice
+        assert (v_shape.virtual_stage(s, 0), v_shape.virtual_stage(s, 1)) == (s, 2 * p - 1 - s)
+    for sched in (interleaved, v_shape, build("interleaved", p, 3, 3 * p)):
+        assert sorted(sched.virtual_stage(s, c) for s in range(p) for c in range(sched.chunks)) == \
+            list(range(p * sched.chunks))
+        for s in range(p):
+            for c in range(sched.chunks):
+                assert sched.stage_and_chunk(sched.virtual_stage(s, c)) == (s, c)
+    # the turn: chunk 1 of stage p-1 takes its input from chunk 0 of the same stage, and hands its gradient back
+    assert dependencies(v_shape, p - 1, Action(Kind.F, 0, 1)) == [(p - 1, Action(Kind.F, 0, 0))]
+    assert dependencies(v_shape, p - 1, Action(Kind.B, 0, 0))[0] == (p - 1, Action(Kind.B, 0, 1))
+    assert dependencies(v_shape, 0, Action(Kind.B, 0, 1)) == [(0, Action(Kind.F, 0, 1))]  # the loss on stage 0
+
+
+def test_dualpipev_order_is_deepseeks():
+    """Devices 0 and 3 of the DualPipeV figure (github.com/deepseek-ai/DualPipe, images/dualpipev.png: 4 devices,
+    10 micro-batches), their weight passes W dropped (folded into the backwards); x.1 is chunk 1, a+b one
+    overlapped unit. Device 3's first F4 and B0.1 stay apart: both feed its own next unit."""
+    s = dualpipe_v(4, 10)
+    order = [" ".join("+".join(map(str, slot)) for slot in s.slots(stage)) for stage in (0, 3)]
+    assert order[0] == ("F0 F1 F2 F3 F4 F5 F6 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 F7+B3.1 F4.1+B0 F8+B4.1 F5.1+B1 "
+                        "F9+B5.1 F6.1+B2 B6.1 F7.1+B3 B7.1 F8.1+B4 B8.1 F9.1+B5 B9.1 B6 B7 B8 B9")
+    assert order[1] == ("F0 F0.1 F1 F1.1 F2 F2.1 F3 F3.1 F4 B0.1 F4.1+B0 F5+B1.1 F5.1+B1 F6+B2.1 F6.1+B2 F7+B3.1 "
+                        "F7.1+B3 F8+B4.1 F8.1+B4 F9+B5.1 F9.1+B5 B6.1 B6 B7.1 B7 B8.1 B8 B9.1 B9")
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_dualpipev_valid_with_every_pair_across_chunks(p):
+    for m in (2 * p, 2 * p + 1, 3 * p + 2):
+        s = build("dualpipev", p, 2, m)
+        report = validate(s)
+        assert report.peak_in_flight == (2 * p + 1,) * p  # DeepSeek's PP + 1, the same on every stage
+        for stage in range(p):
+            fused = [slot for slot in s.slots(stage) if len(slot) == 2]
+            # steady state m - 2p + s + 1 rounds of two pairs, one round fewer at the turn, then p-1-s more pairs
+            assert len(fused) == 2 * (m - 2 * p + stage + 1) - (stage == p - 1) + (p - 1 - stage)
+            assert all(f.kind is Kind.F and b.kind is Kind.B and f.chunk != b.chunk for f, b in fused)
+
+
+def test_dualpipev_bubble():
+    """The simulator's bubble for uniform stages and free communication, forward 1 and backward 2 per stage (each
+    chunk half of it), against 1F1B and interleaved 1F1B (v=2) on the same p devices and m micro-batches.
+
+    DeepSeek's DualPipeV bubble is (PP/2-1)(F&B + B - 3W) idle per device for PP = 2p virtual stages and per-chunk
+    passes (README of github.com/deepseek-ai/DualPipe). It applies to the F/B model of `dualpipe_v` with W = 0 (no
+    split backward, so no weight pass to defer into the bubbles) and F&B = F + B (nothing to hide when communication
+    is free): (p-1)(F + 2B) beside 2m(F + B) of compute (`dualpipe_v_bubble`). The simulator gives exactly that when
+    F = B, the passes of equal length DeepSeek's figure draws; when B = 2F its event-driven timeline is one chunk
+    forward shorter than the formula. Against 1F1B's (p-1)(2F + 2B) DualPipeV idles (p-1)F less; interleaved 1F1B idles
+    (p-1)(F + B), less again, but holds 3p-1 chunk activations on stage 0 against DualPipeV's 2p + 1."""
+    measured = {}
+    for p, m in ((4, 8), (8, 16)):
+        for name in ("1f1b", "interleaved", "dualpipev"):
+            s = build(name, p, 2, m)
+            measured[(name, p, m)] = simulate(s, StageCosts.uniform(p, s.chunks, 1.0, 2.0)).bubble_ratio
+    assert measured[("dualpipev", 4, 8)] == pytest.approx(7 / 31)    # 1F1B 3/11 = 27.3%, interleaved 3/19 = 15.8%
+    assert measured[("dualpipev", 8, 16)] == pytest.approx(17 / 65)  # 1F1B 7/23 = 30.4%, interleaved 7/39 = 17.9%
+    for p, m in ((4, 8), (8, 16)):
+        assert measured[("1f1b", p, m)] == pytest.approx(theoretical_bubble(p, m))
+        assert measured[("interleaved", p, m)] == pytest.approx(theoretical_bubble(p, m, 2))
+        assert measured[("interleaved", p, m)] < measured[("dualpipev", p, m)] < measured[("1f1b", p, m)] - 0.04
+    for p in (2, 3, 4, 8):
+        for m in (2 * p, 3 * p + 1):
+            equal = simulate(dualpipe_v(p, m), StageCosts.uniform(p, 2, 1.0, 1.0))
+            assert equal.bubble_ratio == pytest.approx(dualpipe_v_bubble(p, m, 1.0, 1.0))
+            assert equal.bubble_ratio < theoretical_bubble(p, m)
+            double = simulate(dualpipe_v(p, m), StageCosts.uniform(p, 2, 1.0, 2.0))
+            compute = 2 * m * (0.5 + 1.0)
+            assert double.step_time - compute == pytest.approx((p - 1) * (0.5 + 2 * 1.0) - 0.5)
+
+
+def test_dualpipev_pairs_hide_communication():
+    """With in-pass communication (30% of compute) DualPipeV's overlapped pairs expose less of it than 1F1B and
+    interleaved 1F1B, whose passes wait for all of theirs; the turn on stage p-1 sends nothing."""
+    p, m, p2p = 4, 8, 0.05
+    result = {}
+    for name in ("1f1b", "interleaved", "dualpipev"):
+        s = build(name, p, 2, m)
+        result[name] = simulate(s, StageCosts.uniform(p, s.chunks, p2p=p2p, comm_fraction=0.3))
+    assert result["dualpipev"].exposed_comm_ratio < result["1f1b"].exposed_comm_ratio - 0.05
+    assert result["dualpipev"].exposed_comm_ratio < result["interleaved"].exposed_comm_ratio - 0.1
+    assert result["dualpipev"].step_time < result["interleaved"].step_time < result["1f1b"].step_time
+    sends = [iv for iv in result["dualpipev"].intervals if iv.kind.startswith("p2p")]
+    assert len(sends) == 2 * m * (2 * p - 2)  # of 2p-1 hand-overs each way per micro-batch, the turn's is free
 
 
 def test_validator_rejects_broken_schedules():
@@ -171,6 +267,12 @@ def test_builders_reject_bad_sizes():
         one_f_one_b(4, 0)
     with pytest.raises(ScheduleError, match="schedule: expected one of"):
         build("zb", 4, 2, 8)
+    with pytest.raises(ScheduleError, match=r"microbatches: DualPipeV needs at least 2 x 4 stages = 8, got 7"):
+        build("dualpipev", 4, 2, 7)
+    with pytest.raises(ScheduleError, match="chunks: DualPipeV holds 2 chunks per stage"):
+        build("dualpipev", 4, 3, 12)
+    with pytest.raises(ScheduleError, match="stages: expected a positive integer"):
+        dualpipe_v(0, 8)
 
 
 def test_gantt_png(tmp_path):

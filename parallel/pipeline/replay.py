@@ -1,15 +1,15 @@
 """Replay a pipeline schedule in one process: the PP check of the alignment tools.
 
-The model is cut into p*v chunks (virtual stage k = chunk c of stage s, k = c*p + s). Every action of the schedule
-runs in the schedule's order, one micro-batch at a time: a forward runs chunk k on the activations "received"
-from chunk k-1, "sends" its output on and stores its input on the stage; a backward takes that stored input and
-the gradient "received" from chunk k+1, runs the chunk's vector-Jacobian product (re-running the chunk's forward
-under autodiff, as full recompute does: MindSpore's PyNative mode keeps one open autodiff graph at a time, so
-closures cannot wait across other micro-batches' passes) and adds the chunk's parameter gradients into the
-accumulators. The loss
-is the mean over micro-batches, so the last chunk's backward starts from 1/m. With exact arithmetic the
-accumulated gradients equal plain training on the whole batch; in floating point they differ only by the order
-of summation, which is what the equivalence tests bound.
+The model is cut into p*v chunks (virtual stage k = chunk c of stage s, as `Schedule.virtual_stage` maps them:
+c*p + s when interleaved, a V for DualPipeV). Every action of the schedule runs in the schedule's order, one
+micro-batch at a time: a forward runs chunk k on the activations "received" from chunk k-1, "sends" its output on
+and stores its input on the stage; a backward takes that stored input and the gradient "received" from chunk k+1,
+runs the chunk's vector-Jacobian product (re-running the chunk's forward under autodiff, as full recompute does:
+MindSpore's PyNative mode keeps one open autodiff graph at a time, so closures cannot wait across other
+micro-batches' passes) and adds the chunk's parameter gradients into the accumulators. The loss is the mean over
+micro-batches, so the last chunk's backward starts from 1/m. With exact arithmetic the accumulated gradients equal
+plain training on the whole batch; in floating point they differ only by the order of summation, which is what the
+equivalence tests bound.
 
 Contract (plain MindSpore Cells, nothing model-specific):
 - chunks[k](acts: tuple[Tensor], side: tuple) -> tuple[Tensor]: the activations passed to chunk k+1;

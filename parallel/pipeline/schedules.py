@@ -1,12 +1,16 @@
 """Pipeline schedules as pure functions, and a validator for any schedule.
 
 A schedule lists, per pipeline stage, the order in which that stage runs forward (F) and backward (B) passes of
-(micro-batch, chunk) pairs. With `v` virtual chunks per stage, chunk `c` of stage `s` holds virtual stage
-`c * p + s` (Megatron's interleaved layout): the model runs through stages 0..p-1 with chunk 0, then again with
-chunk 1, and so on, so every stage holds non-adjacent slices of the model.
+(micro-batch, chunk) pairs. With `v` virtual chunks per stage the model is cut into p*v slices (virtual stages),
+and the schedule's `ChunkLayout` says which slice chunk `c` of stage `s` holds (`Schedule.virtual_stage`; every
+user of the mapping asks the schedule): Megatron's interleaved layout `c * p + s` runs the model through stages
+0..p-1 with chunk 0, then again with chunk 1, and so on; DualPipeV's V layout runs down the stages with chunk 0
+and back up with chunk 1, so stage 0 holds the first and the last slice (embedding and loss on one device) and the
+turn at stage p-1 from chunk 0 to chunk 1 stays on that stage.
 
-The overlapped variant additionally names pairs of adjacent actions (a forward of one micro-batch and a backward
-of another) that run as one fused unit, so that the communication of one hides behind the compute of the other.
+The overlapped variant and DualPipeV additionally name pairs of adjacent actions (a forward of one micro-batch and
+a backward of another) that run as one fused unit, so that the communication of one hides behind the compute of the
+other.
 """
 from __future__ import annotations
 
@@ -31,6 +35,12 @@ class Action:
         return f"{self.kind.value}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
+class ChunkLayout(str, Enum):
+    """Which slice of the model (virtual stage) each chunk of each stage holds."""
+    INTERLEAVED = "interleaved"  # every chunk runs down the stages: virtual stage c * p + s
+    V = "v"  # even chunks run down the stages, odd chunks back up: stage p-1 hands each turn to itself
+
+
 class ScheduleError(InputError):
     """A schedule that cannot run; the message names the stage and action."""
 
@@ -46,9 +56,20 @@ class Schedule:
     pairs: tuple[frozenset[int], ...] = field(default=())
     # True when point-to-point transfers run on their own stream instead of blocking the compute stream.
     async_p2p: bool = False
+    # Which slice of the model each (stage, chunk) holds: ask `virtual_stage` and `stage_and_chunk`.
+    chunk_layout: ChunkLayout = ChunkLayout.INTERLEAVED
+
+    def _upward(self, chunk: int) -> bool:
+        return self.chunk_layout is ChunkLayout.V and chunk % 2 == 1
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
-        return chunk * self.stages + stage
+        """The slice of the model that `chunk` of `stage` holds."""
+        return chunk * self.stages + (self.stages - 1 - stage if self._upward(chunk) else stage)
+
+    def stage_and_chunk(self, k: int) -> tuple[int, int]:
+        """The (stage, chunk) that holds virtual stage k: the inverse of `virtual_stage`."""
+        chunk, offset = divmod(k, self.stages)
+        return (self.stages - 1 - offset if self._upward(chunk) else offset), chunk
 
     def slots(self, stage: int) -> list[tuple[Action, ...]]:
         """The stage's actions grouped into execution units: a fused (F, B) pair or a single action."""
@@ -66,18 +87,17 @@ class Schedule:
 
 def dependencies(schedule: Schedule, stage: int, action: Action) -> list[tuple[int, Action]]:
     """(stage, action) pairs that must finish before `action` may start on `stage`."""
-    p, v = schedule.stages, schedule.chunks
     mb, c = action.microbatch, action.chunk
     k = schedule.virtual_stage(stage, c)
     if action.kind is Kind.F:
         if k == 0:
             return []
-        prev = k - 1
-        return [(prev % p, Action(Kind.F, mb, prev // p))]
-    if k == p * v - 1:  # the loss sits on the last virtual stage: its backward starts from its own forward
-        return [(stage, Action(Kind.F, mb, c))]
-    nxt = k + 1
-    return [(nxt % p, Action(Kind.B, mb, nxt // p)), (stage, Action(Kind.F, mb, c))]
+        prev_stage, prev_chunk = schedule.stage_and_chunk(k - 1)
+        return [(prev_stage, Action(Kind.F, mb, prev_chunk))]
+    if k == schedule.stages * schedule.chunks - 1:  # the loss sits on the last virtual stage: its backward starts
+        return [(stage, Action(Kind.F, mb, c))]      # from its own forward
+    next_stage, next_chunk = schedule.stage_and_chunk(k + 1)
+    return [(next_stage, Action(Kind.B, mb, next_chunk)), (stage, Action(Kind.F, mb, c))]
 
 
 # ---- schedule builders ---------------------------------------------------------------------------------------------
@@ -174,16 +194,70 @@ def overlapped_1f1b(p: int, v: int, m: int) -> Schedule:
     return Schedule("overlapped", p, v, m, tuple(stages), tuple(pairs), async_p2p=True)
 
 
+def _numbered(units: list[tuple[tuple[Kind, int], ...]]) -> tuple[tuple[Action, ...], frozenset[int]]:
+    """A stage's actions from its units of (kind, chunk) passes, each pass of a chunk taking that chunk's next
+    micro-batch; and the index of the first action of each two-pass (overlapped) unit."""
+    taken: dict[tuple[Kind, int], int] = {}
+    acts, pairs = [], set()
+    for unit in units:
+        if len(unit) == 2:
+            pairs.add(len(acts))
+        for kind, chunk in unit:
+            mb = taken.get((kind, chunk), 0)
+            taken[(kind, chunk)] = mb + 1
+            acts.append(Action(kind, mb, chunk))
+    return tuple(acts), frozenset(pairs)
+
+
+def _dualpipe_v_units(p: int, m: int, s: int) -> list[tuple[tuple[Kind, int], ...]]:
+    """Stage s's units in DualPipeV's eight steps, its weight-gradient passes (W) folded into their backwards."""
+    f0, f1, b0, b1 = (Kind.F, 0), (Kind.F, 1), (Kind.B, 0), (Kind.B, 1)
+    below = p - 1 - s  # stages between s and the turn at p-1
+    steady = [(f0, b1), (f1, b0)] * (m - 2 * p + s + 1)
+    if s == p - 1:
+        # DualPipeV runs this stage's first steady pair unfused, to send the activation of step 2's last F1 (held
+        # back there) between the two; this model's sends leave eagerly anyway, the order is kept as DeepSeek's
+        steady[0:1] = [(f0,), (b1,)]
+    return ([(f0,)] * 2 * below            # 1: warm-up down the V
+            + [(f0,), (f1,)] * (s + 1)     # 2: both chunks in turn
+            + [(b1,), (f1,)] * below       # 3: chunk 1's first backwards (B1 W1 F1 in DualPipeV)
+            + steady                       # 4: F of one chunk overlapped with B of the other
+            + [(b1,), (f1, b0)] * below    # 5: the last forwards
+            + [(b1,), (b0,)] * (s + 1)     # 6: cool-down of both chunks
+            + [(b0,)] * below)             # 7: chunk 0's last backwards (W B0 in DualPipeV); 8 is W alone
+
+
+def dualpipe_v(p: int, m: int, v: int = 2) -> Schedule:
+    """DeepSeek's DualPipeV (DualPipe cut in half, github.com/deepseek-ai/DualPipe `dualpipev.py`): two chunks per
+    stage in the V layout (stage s holds virtual stages s and 2p-1-s; embedding and loss on stage 0). Stage s warms
+    up with 2(p-1-s) forwards of chunk 0, then runs both chunks, and in its steady state overlaps the forward of one
+    chunk with the backward of the other (`pairs`: each all-to-all hides behind the other pass's compute), for
+    m - 2p + s + 1 rounds of F0+B1, F1+B0; transfers run on their own stream. Needs m >= 2p micro-batches.
+
+    Simplification: DualPipeV splits each backward into an input-gradient pass B and a weight-gradient pass W and
+    defers some W's into the warm-up and cool-down bubbles (zero bubble). Actions here are F and B only, so each W
+    runs inside its B: the order is DualPipeV's with every W dropped. On uniform stages the bubble is then the
+    published (p-1)(F&B + B - 3W) with W = 0 (`simulator.dualpipe_v_bubble`)."""
+    _check_sizes(p, v, m)
+    if v != 2:
+        raise ScheduleError(f"chunks: DualPipeV holds 2 chunks per stage (a V), got {v}")
+    if m < 2 * p:
+        raise ScheduleError(f"microbatches: DualPipeV needs at least 2 x {p} stages = {2 * p}, got {m}")
+    stages, pairs = zip(*(_numbered(_dualpipe_v_units(p, m, s)) for s in range(p)))
+    return Schedule("dualpipev", p, 2, m, stages, pairs, async_p2p=True, chunk_layout=ChunkLayout.V)
+
+
 SCHEDULES = {
     "gpipe": lambda p, v, m: gpipe(p, m, v),
     "1f1b": lambda p, v, m: one_f_one_b(p, m),
     "interleaved": interleaved_1f1b,
     "overlapped": overlapped_1f1b,
+    "dualpipev": lambda p, v, m: dualpipe_v(p, m, v),
 }
 
 
 def build(name: str, p: int, v: int, m: int) -> Schedule:
-    """Schedule by name; 1f1b ignores v (it has one chunk per stage)."""
+    """Schedule by name; 1f1b ignores v (it has one chunk per stage), dualpipev needs v = 2."""
     if name not in SCHEDULES:
         raise ScheduleError(f"schedule: expected one of {sorted(SCHEDULES)}, got {name!r}")
     return SCHEDULES[name](p, v, m)

@@ -86,11 +86,22 @@ def theoretical_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def dualpipe_v_bubble(p: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:
+    """Bubble of DualPipeV on p stages (2p virtual stages) for uniform stages and free communication, from the
+    idle time DeepSeek publishes, (PP/2 - 1)(F&B + B - 3W) with PP = 2p and per-chunk passes, taken with W = 0
+    (the backward not split, as `schedules.dualpipe_v` runs it) and F&B = F + B: (p-1)(F + 2B) beside the
+    2m(F + B) of compute. `forward`, `backward`: a stage's per-micro-batch times, half of each per chunk."""
+    f, b = forward / 2, backward / 2
+    idle = (p - 1) * (f + 2 * b)
+    return idle / (2 * m * (f + b) + idle)
+
+
 def _sends(schedule: Schedule, stage: int, a: Action) -> bool:
-    """Whether the action's output goes to another stage (activations forward, gradients backward)."""
+    """Whether the action's output goes to another stage (activations forward, gradients backward); a hand-over
+    between two chunks of one stage (DualPipeV's turn) is free."""
     k, last = schedule.virtual_stage(stage, a.chunk), schedule.stages * schedule.chunks - 1
     nxt = k + 1 if a.kind is Kind.F else k - 1
-    return 0 <= nxt <= last and nxt % schedule.stages != stage
+    return 0 <= nxt <= last and schedule.stage_and_chunk(nxt)[0] != stage
 
 
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:

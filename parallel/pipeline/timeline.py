@@ -104,7 +104,8 @@ def measured(timelines: list[StageTimeline]) -> SimResult:
         for direction, mb, k, src, dst, _, start, stop in t.transfers:
             if src == dst:
                 continue
-            action = Action(Kind(direction), mb, k // p)   # drawn in the colour of the chunk that produced it
+            # drawn in the colour of the chunk that produced it
+            action = Action(Kind(direction), mb, schedule.stage_and_chunk(k)[1])
             intervals.append(Interval(t.stage, start - zero, stop - zero, "p2p", (action,)))
             exposed[t.stage] += stop - start
     return SimResult(schedule, end - zero, tuple(compute), tuple(exposed), tuple(0.0 for _ in range(p)),
@@ -153,7 +154,7 @@ def simulate_programs(schedule: Schedule, costs: StageCosts) -> SimResult:
                     if at[peer] >= len(programs[peer]) or programs[peer][at[peer]] != e:
                         break                       # the other end has not reached it yet
                     start = max(clock[s], clock[peer])
-                    action = Action(e.direction, e.mb, e.k // p)
+                    action = Action(e.direction, e.mb, schedule.stage_and_chunk(e.k)[1])
                     for end in (s, peer):      # the wait before `start` is bubble; the transfer itself is not
                         intervals.append(Interval(end, start, start + costs.p2p, "p2p", (action,)))
                         exposed[end] += costs.p2p
