@@ -489,7 +489,9 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
 
     def solve(cost: np.ndarray, bounds: Bounds, limits: dict, prove: bool):
         res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds, options=limits)
-        if res.status == 4:  # HiGHS' presolve fails on some capped passes (seen with scipy 1.17); solve without it
+        # HiGHS' presolve fails on some capped passes (seen with scipy 1.17): solve without it. Status 4 with a
+        # solution is HiGHS 1.12's node limit ("solution limit reached", which scipy does not name), not a failure
+        if res.status == 4 and res.x is None:
             res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds,
                        options={**limits, "presolve": False})
         if res.x is None:
