@@ -148,12 +148,9 @@ def run_evaluate(w: Workload, layout: ParallelLayout) -> list[Candidate]:
     print(f"  even split, analytic   : step {even['step_time'][0]:.3f} s, {even['tokens_per_s_per_device'][0]:.1f} "
           f"tokens/s/device, MFU {100 * even['mfu'][0]:.1f}%, peak memory {even['memory'][0] / GIB:.1f} GiB "
           f"(usable {w.cluster.usable_memory / GIB:.1f}), bubble {100 * even['bubble'][0]:.1f}%")
-    try:
-        sim = simulate_layout(w, layout, even_assignment(w, layout))
-        print(f"  even split, simulated  : step {sim.step_time:.3f} s, bubble {100 * sim.result.bubble_ratio:.1f}%, "
-              f"memory per stage (GiB) {[round(m / GIB, 1) for m in sim.memory_per_stage]}")
-    except ValueError as e:     # the dense layers do not fit the first chunk of an even split: the ILP's may differ
-        print(f"  even split, simulated  : none ({e})")
+    sim = simulate_layout(w, layout, even_assignment(w, layout))
+    print(f"  even split, simulated  : step {sim.step_time:.3f} s, bubble {100 * sim.result.bubble_ratio:.1f}%, "
+          f"memory per stage (GiB) {[round(m / GIB, 1) for m in sim.memory_per_stage]}")
     a = solve_ilp(w, layout)
     if a is None:
         print("  ILP: no layers/recompute assignment fits in memory")
@@ -198,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, help="sequence length (default: the recipe's)")
     parser.add_argument("--global-batch", type=int, help="sequences per step (default: the recipe's)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"), help="GEMM dtype (default: recipe)")
+    parser.add_argument("--precision", help="bytes per tensor kind, e.g. weights=bf16,master=fp32,grads=fp32,"
+                                            "moments=fp32,activations=bf16 (default: the recipe's dtypes)")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     parser.add_argument("--write", help="write the best layout into this recipe file (inherits --recipe)")
     parser.add_argument("--evaluate", help="score one layout, e.g. tp=8,pp=16,vpp=2,ep=32,mbs=1,recompute=full")
@@ -216,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             if out and recipe_path.resolve() == Path(out).resolve():
                 raise PlanError(f"{option}: refusing to overwrite the input recipe; name a new file")
         args.devices = args.devices or recipe.layout.world_size
-        w = recipe_workload(recipe, args.cluster, args.devices, args.seq, args.global_batch, args.dtype)
+        w = recipe_workload(recipe, args.cluster, args.devices, args.seq, args.global_batch, args.dtype,
+                            args.precision)
         print(f"model {recipe.name}: {w.shape.num_layers} layers, {w.shape.num_routed_experts} experts top-"
               f"{w.shape.top_k}; {w.devices} x {w.cluster.name} ({w.cluster.usable_memory / GIB:.1f} GiB usable), "
               f"seq {w.seq_length}, global batch {w.global_batch}, GEMMs in {w.precision.matmul_dtype}")

@@ -35,6 +35,22 @@ def largest_chunk(pl: Placement) -> float:
     return max(sum(u.time for u in seg) for seg in pl.segments)
 
 
+def chunks_ok(pl: Placement, options: PlacementOptions) -> bool:
+    """even_chunks written out: every chunk holds a layer and a stage's chunks are at most one layer apart, but the
+    last segment (with the head) may hold fewer, and with bare_ends the first and last down to none."""
+    if not options.even_chunks:
+        return True
+    p, segs = pl.stages, pl.stages * pl.chunks
+    layers = [sum(u.kind in ("dense", "moe") for u in seg) for seg in pl.segments]
+    ends = {0, segs - 1} if options.bare_ends else set()
+    for s in range(p):
+        ks = range(s, segs, p)
+        plain = [layers[k] for k in ks if k not in ends and k != segs - 1]
+        if any(layers[k] < 1 for k in ks if k not in ends) or (plain and max(layers[k] for k in ks) > min(plain) + 1):
+            return False
+    return True
+
+
 def brute_force(units, p, v, options, in_flight=None) -> tuple[float, float, float]:
     """Smallest (period, slowest chunk, slowest stage), lexicographic within 1e-9, over every cut of the chain into
     p*v non-empty segments."""
@@ -44,7 +60,7 @@ def brute_force(units, p, v, options, in_flight=None) -> tuple[float, float, flo
     for cuts in itertools.combinations(range(1, n), segs - 1):
         sizes = [b - a for a, b in zip((0,) + cuts, cuts + (n,))]
         pl = evaluate(units, p, v, sizes, in_flight)
-        if max(pl.stage_memory) > options.memory_limit:
+        if max(pl.stage_memory) > options.memory_limit or not chunks_ok(pl, options):
             continue
         if mtp and units[-1].kind == "head":
             seg_of = [k for k, size in enumerate(sizes) for _ in range(size)]
@@ -100,6 +116,21 @@ def test_milp_equals_brute_force(seed):
             got = balance(units, p, v, opts, in_flight)
             assert (period(got), largest_chunk(got), max(got.stage_time)) == pytest.approx(expected, rel=1e-6)
             assert max(got.stage_memory) <= limit * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_even_chunks_with_and_without_bare_ends_equal_brute_force(seed):
+    """The chunk rows (one layer apart; with bare_ends an embedding-only first and an MTP-and-head-only last
+    segment) give brute force's optimum over the placements that keep them."""
+    rng = random.Random(100 + seed)
+    units = random_chain(rng)
+    p, v = rng.choice([(2, 2), (3, 2), (2, 3)])
+    for bare in (False, True):
+        opts = PlacementOptions(even_chunks=True, bare_ends=bare)
+        expected = brute_force(units, p, v, opts)
+        got = balance(units, p, v, opts)
+        assert chunks_ok(got, opts)
+        assert (period(got), largest_chunk(got), max(got.stage_time)) == pytest.approx(expected, rel=1e-6)
 
 
 def test_chunks_split_alike_are_told_apart():

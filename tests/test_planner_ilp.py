@@ -10,7 +10,7 @@ from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import Workload
 from parallel.planner.simulate import simulate_layout
-from parallel.planner.stage_ilp import assess, brute_force, even_assignment, held_profiles, solve_ilp
+from parallel.planner.stage_ilp import CHUNKINGS, assess, brute_force, even_assignment, held_profiles, solve_ilp
 from tests.test_planner_model_shape import TELECHAT3_105B
 
 SMALL = dataclasses.replace(TELECHAT3_105B, num_layers=6, first_k_dense=1)
@@ -23,13 +23,15 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("chunking", CHUNKINGS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["1f1b-p3", "interleaved-p2v2"])
-def test_ilp_optimum_equals_brute_force(layout):
+def test_ilp_optimum_equals_brute_force(layout, chunking):
     even = assess(W, layout, [even_assignment(W, layout)])["memory"].max()
     outcomes = set()
     for scale in (0.3, 0.85, 0.95, 1.0, 1.2, 3.0):
         limit = even * scale
-        ilp, brute = solve_ilp(W, layout, memory_limit=limit), brute_force(W, layout, memory_limit=limit)
+        ilp = solve_ilp(W, layout, memory_limit=limit, chunking=chunking)
+        brute = brute_force(W, layout, memory_limit=limit, chunking=chunking)
         assert (ilp is None) == (brute is None), scale
         outcomes.add(ilp is None)
         if ilp is not None:
@@ -47,6 +49,7 @@ def test_ilp_memory_is_the_simulators_and_beats_the_even_split():
     np.testing.assert_allclose(sim.memory_per_stage, assess(big, layout, [a])["memory"][0], rtol=1e-9)
     assert max(sim.memory_per_stage) <= big.cluster.usable_memory
     assert a.objective <= assess(big, layout, [even_assignment(big, layout)])["objective"][0] + 1e-9
+    assert a.objective <= solve_ilp(big, layout, chunking="even").objective + 1e-9  # free chunking holds even's
     assert sum(a.layers_per_stage) == TELECHAT3_105B.num_layers
 
 

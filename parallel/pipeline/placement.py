@@ -72,6 +72,9 @@ class PlacementOptions:
     # every segment holding a layer and the chunks of a stage at most one layer apart (the head's may hold fewer)
     dense_in_first_segment: bool = False
     even_chunks: bool = False
+    # with even_chunks: the first segment may hold the embedding alone and the last one the MTP and head alone (no
+    # layer, and outside the one-layer spread), as Megatron's DeepSeek-V3 layouts place them
+    bare_ends: bool = False
     # minimise the (interleaved) 1F1B step of this many micro-batches, (m - 1/v) * period + work / v, instead of
     # the period alone: the same placements unless recompute choices change the work
     micro_batches: int | None = None
@@ -301,9 +304,14 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     mtps = [i for i, u in enumerate(units) if u.kind == "mtp"]
     mtp_with_head = bool(mtps) and units[-1].kind == "head" and not options.mtp_apart_from_head
     lo, hi = np.arange(segs + 1), n - np.arange(segs, -1, -1)
+    bare = options.even_chunks and options.bare_ends
     for k in range(1, segs):
-        if options.even_chunks and len(layers) >= segs:
-            lo[k], hi[k] = max(lo[k], layers[k - 1] + 1), min(hi[k], layers[len(layers) - segs + k])
+        if options.even_chunks and len(layers) >= segs - 2 * bare:
+            before, after = k - bare, segs - k - bare  # the layers the segments before and after cut k must hold
+            if before > 0:
+                lo[k] = max(lo[k], layers[before - 1] + 1)
+            if after > 0:
+                hi[k] = min(hi[k], layers[len(layers) - after])
         if options.dense_in_first_segment and dense:
             lo[k] = max(lo[k], dense[-1] + k)
         if mtp_with_head:
@@ -465,11 +473,12 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         add([(1.0, at(1, "pos"))], dense[-1] + 1.0, np.inf)
     if options.even_chunks:
         for s in range(stages):
-            q = var(np.inf)  # the fewest layers of the stage's chunks
+            q = var(np.inf)  # the fewest layers of the stage's chunks (but an end's)
             for k in range(s, segs, stages):
                 layers = [(1.0, at(k + 1, "layers")), (-1.0, at(k, "layers"))]
-                add(layers, 1.0, np.inf)
-                add(layers + [(-1.0, ({q: 1.0}, 0.0))], -np.inf if k == segs - 1 else 0.0, 1.0)
+                end = bare and k in (0, segs - 1)
+                add(layers, 0.0 if end else 1.0, np.inf)
+                add(layers + [(-1.0, ({q: 1.0}, 0.0))], -np.inf if end or k == segs - 1 else 0.0, 1.0)
     goal = period
     if options.micro_batches:  # the step: (m - 1/v) * period + work / v
         goal = var(np.inf, integer=False)

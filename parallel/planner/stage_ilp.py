@@ -1,11 +1,15 @@
 """Layers and recompute per pipeline chunk for one layout: the placement MILP on the cost model, and brute force.
 
-Decision: how many MoE layers each (stage, virtual chunk) holds under each recompute mode (none / selective /
-full), how the first-k dense layers (at the start of chunk 0 of stage 0) are recomputed, and the recompute mode of
-the MTP layer (with head and loss in the last chunk of the last stage).
+Decision: how many dense and MoE layers each (stage, virtual chunk) holds under each recompute mode (none /
+selective / full), and the recompute mode of the MTP layer (with head and loss in the last chunk of the last stage).
 
-Chunks of one stage differ by at most one layer (the last chunk of the last stage, with the head, may hold
-fewer). Objective, the (interleaved) 1F1B step: in steady state every stage runs chunk 0, then chunk 1, ... of successive
+Chunking "free" (the default): the dense layers wherever the cuts put them, the first chunk may hold the
+embedding alone and the last one the MTP, head and loss alone; the other chunks of a stage differ by at most one
+layer. That spread stays because the objective below is blind to how a stage's time splits over its chunks, where
+the interleaved schedule is not: on uniform stages (p=16, v=2, m=64, F:B = 1:2) chunks of 0.5 and 1 take a
+simulated 130.5 where the formula says 107.25. Chunking "even" (MindFormers' uniform split): the dense layers in
+the first chunk, every chunk holding a layer (the last one of the last stage, with the head, may hold fewer).
+Objective, the (interleaved) 1F1B step: in steady state every stage runs chunk 0, then chunk 1, ... of successive
 micro-batches in lock-step, so a micro-batch costs the sum over chunks of the slowest stage's chunk time, and
 filling / draining the pipeline costs the total work spread over the chunks:
     T = (m - 1/v) * sum_c max_s t[s, c] + sum_{s,c} t[s, c] / v
@@ -38,18 +42,22 @@ from parallel.planner.model_shape import even_layer_split
 MODES = len(RECOMPUTE)
 
 
+CHUNKINGS = ("free", "even")
+
+Counts = tuple[tuple[tuple[int, ...], ...], ...]  # [stage][chunk][recompute mode]: layers
+
+
 @dataclass(frozen=True)
 class StageAssignment:
-    dense_by_mode: tuple[int, ...]  # first-k dense layers (chunk 0 of stage 0) per recompute mode
-    moe_by_mode: tuple[tuple[tuple[int, ...], ...], ...]  # [stage][chunk][mode]: MoE layers
+    dense_by_mode: Counts  # the first-k dense layers
+    moe_by_mode: Counts
     mtp_mode: int
     objective: float = float("nan")  # pipeline seconds (without sends and optimizer), as `assess` computes
     gap: float = 0.0  # relative MIP gap when the solver stopped (0: proven optimal)
 
     @property
     def layers_per_chunk(self) -> list[list[int]]:
-        return [[sum(ch) + (sum(self.dense_by_mode) if s == c == 0 else 0) for c, ch in enumerate(st)]
-                for s, st in enumerate(self.moe_by_mode)]
+        return [[sum(d) + sum(e) for d, e in zip(ds, es)] for ds, es in zip(self.dense_by_mode, self.moe_by_mode)]
 
     @property
     def layers_per_stage(self) -> list[int]:
@@ -57,8 +65,7 @@ class StageAssignment:
 
     def recompute_per_stage(self, mode: int) -> list[int]:
         """Layers recomputed with `mode` on each stage (MindFormers' per-stage recompute lists)."""
-        return [sum(ch[mode] for ch in st) + (self.dense_by_mode[mode] if s == 0 else 0)
-                for s, st in enumerate(self.moe_by_mode)]
+        return [sum(d[mode] + e[mode] for d, e in zip(ds, es)) for ds, es in zip(self.dense_by_mode, self.moe_by_mode)]
 
 
 def schedule_name(layout: ParallelLayout) -> str:
@@ -90,7 +97,7 @@ def chunk_plans(layout: ParallelLayout, assignments: list[StageAssignment]) -> S
     for a in assignments:
         for s in range(pp):
             for c in range(v):
-                dense.append(a.dense_by_mode if s == c == 0 else (0,) * MODES)
+                dense.append(a.dense_by_mode[s][c])
                 moe.append(a.moe_by_mode[s][c])
                 emb.append(s == c == 0)
                 last.append(s == pp - 1 and c == v - 1)
@@ -143,22 +150,29 @@ def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment) ->
     return out
 
 
+def by_segment(pp: int, v: int, layers: list[int], first_k_dense: int, modes: list[int]) -> tuple[Counts, Counts]:
+    """(dense, MoE) counts per [stage][chunk][mode] of `layers` layers per segment in model order (segment k is
+    chunk k // pp of stage k % pp), layer i running recompute mode modes[i]."""
+    dense = [[[0] * MODES for _ in range(v)] for _ in range(pp)]
+    moe = [[[0] * MODES for _ in range(v)] for _ in range(pp)]
+    i = 0
+    for k, size in enumerate(layers):
+        for layer in range(i, i + size):
+            (dense if layer < first_k_dense else moe)[k % pp][k // pp][modes[layer]] += 1
+        i += size
+    freeze = lambda x: tuple(tuple(map(tuple, st)) for st in x)  # noqa: E731
+    return freeze(dense), freeze(moe)
+
+
 def even_assignment(w: Workload, layout: ParallelLayout) -> StageAssignment:
     """Even split of layers over stages, then over each stage's chunks (remainder to the middle), with the
-    layout's uniform recompute mode; chunk 0 of stage 0 grows to hold the dense layers if it must."""
+    layout's uniform recompute mode; the dense layers, the first ones, wherever that puts them."""
+    pp, v = layout.pp, layout.vpp
+    per_chunk = [even_layer_split(n, v) for n in even_layer_split(w.shape.num_layers, pp)]
+    sizes = [per_chunk[k % pp][k // pp] for k in range(pp * v)]
     mode = RECOMPUTE.index(layout.recompute)
-    unit = lambda n: tuple(n if r == mode else 0 for r in range(MODES))  # noqa: E731
-    k, v = w.shape.first_k_dense, layout.vpp
-    stages = []
-    for s, n in enumerate(even_layer_split(w.shape.num_layers, layout.pp)):
-        sizes = even_layer_split(n, v)
-        if s == 0 and sizes[0] < k:
-            if n < k + v - 1:
-                raise ValueError(f"layers_per_stage: stage 0 holds {n} layers, too few for the {k} dense layers "
-                                 f"in its first chunk and one layer in each of its other {v - 1} chunks")
-            sizes = [k] + even_layer_split(n - k, v - 1)
-        stages.append(tuple(unit(size - (k if s == c == 0 else 0)) for c, size in enumerate(sizes)))
-    return StageAssignment(unit(k), tuple(stages), mode)
+    dense, moe = by_segment(pp, v, sizes, w.shape.first_k_dense, [mode] * w.shape.num_layers)
+    return StageAssignment(dense, moe, mode)
 
 
 # Branch-and-bound nodes per solver pass: a budget of work, not of seconds, so that a plan does not depend on the
@@ -168,14 +182,21 @@ def even_assignment(w: Workload, layout: ParallelLayout) -> StageAssignment:
 NODE_LIMIT = 200
 
 
+def chunking_options(chunking: str) -> dict:
+    """The placement options that state a chunking (CHUNKINGS)."""
+    if chunking not in CHUNKINGS:
+        raise ValueError(f"chunking: expected one of {CHUNKINGS}, got {chunking!r}")
+    return {"even_chunks": True, "dense_in_first_segment": chunking == "even", "bare_ends": chunking == "free"}
+
+
 def solve_ilp(w: Workload, layout: ParallelLayout, memory_limit: float | None = None, node_limit: int = NODE_LIMIT,
-              gap: float = 1e-9, schedule: str | None = None) -> StageAssignment | None:
+              gap: float = 1e-9, schedule: str | None = None, chunking: str = "free") -> StageAssignment | None:
     """Optimal assignment for `layout` under pipeline `schedule` (default 1F1B or
-    interleaved), or None when none fits in memory: the placement MILP with every recompute mode a choice, the
-    dense layers with the embedding, even chunks, the step as objective and memory over the schedule's profiles;
-    the best found within `node_limit` branch-and-bound nodes, its relative gap in StageAssignment.gap."""
+    interleaved) and `chunking`, or None when none fits in memory: the placement MILP with every recompute mode a
+    choice, the step as objective and memory over the schedule's profiles; the best found within `node_limit`
+    branch-and-bound nodes, its relative gap in StageAssignment.gap."""
     pp, v, m = layout.pp, layout.vpp, layout.micro_batch_num
-    options = PlacementOptions(mtp_embedding_copy=False, dense_in_first_segment=True, even_chunks=True, micro_batches=m,
+    options = PlacementOptions(mtp_embedding_copy=False, micro_batches=m, **chunking_options(chunking),
                                memory_limit=w.cluster.usable_memory if memory_limit is None else memory_limit)
     try:
         placed = balance(planner_units(w, layout, options, RECOMPUTE), pp, v, options,
@@ -183,27 +204,30 @@ def solve_ilp(w: Workload, layout: ParallelLayout, memory_limit: float | None = 
                          tie_breaks=False, prove=False)
     except PlacementError:
         return None
-    segments = placed.segments
-
-    def by_mode(units, kind: str) -> tuple[int, ...]:
-        return tuple(sum(u.kind == kind and u.recompute == r for u in units) for r in RECOMPUTE)
-
-    a = StageAssignment(dense_by_mode=by_mode(placed.units, "dense"),
-                        moe_by_mode=tuple(tuple(by_mode(segments[c * pp + s], "moe") for c in range(v))
-                                          for s in range(pp)),
-                        mtp_mode=next((RECOMPUTE.index(u.recompute) for u in placed.units if u.kind == "mtp"), 0))
+    layers = [u for u in placed.units if u.kind in ("dense", "moe")]
+    dense, moe = by_segment(pp, v, [sum(u.kind in ("dense", "moe") for u in seg) for seg in placed.segments],
+                            w.shape.first_k_dense, [RECOMPUTE.index(u.recompute) for u in layers])
+    a = StageAssignment(dense, moe, mtp_mode=next((RECOMPUTE.index(u.recompute) for u in placed.units
+                                                   if u.kind == "mtp"), 0))
     return dataclasses.replace(a, objective=float(assess(w, layout, [a], schedule)["objective"][0]), gap=placed.gap)
 
 
-def chunks_even(a: StageAssignment) -> bool:
-    """The ILP's feasible chunking: no empty chunk, and the chunks of a stage differ by at most one layer, except
-    that the last chunk of the last stage (with the head) may hold fewer."""
+def chunks_allowed(a: StageAssignment, chunking: str) -> bool:
+    """Whether `a` is one of `chunking`'s assignments (the MILP's feasible set). The chunks of a stage are at most
+    one layer apart, but a chunk with the embedding or the head may hold fewer: under "even" only the last chunk
+    of the last stage, which still holds a layer, and every chunk holds the dense layers' first; under "free" both
+    ends, down to none."""
     rows = a.layers_per_chunk
+    pp, v = len(rows), len(rows[0])
+    ends = {(0, 0), (pp - 1, v - 1)} if chunking == "free" else set()
+    if chunking == "even" and any(sum(d) for st in a.dense_by_mode for d in st) != sum(a.dense_by_mode[0][0]):
+        return False
     for s, sizes in enumerate(rows):
-        if min(sizes) < 1:
+        fewer = [c for c in range(v) if (s, c) in ends or (s, c) == (pp - 1, v - 1)]
+        plain = [n for c, n in enumerate(sizes) if c not in fewer]
+        if any(n < 1 for c, n in enumerate(sizes) if (s, c) not in ends):
             return False
-        plain = sizes[:-1] if s == len(rows) - 1 else sizes
-        if plain and (max(plain) - min(plain) > 1 or sizes[-1] > min(plain) + 1):
+        if plain and (max(sizes) > min(plain) + 1):
             return False
     return True
 
@@ -215,20 +239,26 @@ def _compositions(total: int, parts: int):
         yield tuple(edges[i + 1] - edges[i] - 1 for i in range(parts))
 
 
-def brute_force(w: Workload, layout: ParallelLayout, memory_limit: float | None = None) -> StageAssignment | None:
-    """Every assignment scored by `assess`; for small spaces only (it grows combinatorially)."""
+def brute_force(w: Workload, layout: ParallelLayout, memory_limit: float | None = None,
+                chunking: str = "free") -> StageAssignment | None:
+    """Every assignment of `chunking` scored by `assess`; for small spaces only (it grows combinatorially). The
+    layers of a segment are the next ones in model order, each segment's dense and MoE layers split over the
+    recompute modes every way."""
     limit = w.cluster.usable_memory if memory_limit is None else memory_limit
-    pp, v = layout.pp, layout.vpp
-    k, n_moe = w.shape.first_k_dense, w.shape.num_layers - w.shape.first_k_dense
+    pp, v, k = layout.pp, layout.vpp, w.shape.first_k_dense
     candidates = []
-    for dense in _compositions(k, MODES):
-        for flat in _compositions(n_moe, pp * v * MODES):
-            moe = tuple(tuple(flat[(s * v + c) * MODES:(s * v + c + 1) * MODES] for c in range(v)) for s in range(pp))
-            a = StageAssignment(dense, moe, 0)
-            if not chunks_even(a):
+    for sizes in _compositions(w.shape.num_layers, pp * v):
+        kinds, _ = by_segment(pp, v, list(sizes), k, [0] * w.shape.num_layers)  # dense layers per segment
+        dense_n = [sum(kinds[i % pp][i // pp]) for i in range(pp * v)]
+        splits = [[(d, e) for d in _compositions(dense_n[i], MODES) for e in _compositions(sizes[i] - dense_n[i], MODES)]
+                  for i in range(pp * v)]
+        for pick in itertools.product(*splits):
+            grid = lambda j: tuple(tuple(pick[c * pp + s][j] for c in range(v)) for s in range(pp))  # noqa: E731
+            a = StageAssignment(grid(0), grid(1), 0)
+            if not chunks_allowed(a, chunking):
                 continue
             for mtp in range(MODES if w.shape.mtp_depth else 1):
-                candidates.append(StageAssignment(dense, moe, mtp))
+                candidates.append(dataclasses.replace(a, mtp_mode=mtp))
     if not candidates:
         return None
     r = assess(w, layout, candidates)
