@@ -13,17 +13,50 @@ from parallel.planner.cost_model import Precision, Workload
 
 # The recipe's dtype names: the planner's name for GEMMs in it, and its bytes.
 DTYPES = {"float32": ("fp32", 4), "bfloat16": ("bf16", 2), "float16": ("fp16", 2)}
+# `--precision`'s tensor kinds (the Precision field each sets, and how many elements per parameter or activation:
+# Adam keeps two moments) and dtypes; `none` only says there is no master copy.
+PRECISION_KINDS = {"weights": ("param_bytes", 1), "master": ("master_bytes", 1), "grads": ("grad_bytes", 1),
+                   "moments": ("optimizer_bytes", 2), "activations": ("activation_bytes", 1)}
+PRECISION_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "none": 0}
 
 
 class WorkloadError(InputError):
     """A recipe that cannot be priced on the cluster (unknown cluster, no peak for the GEMM dtype)."""
 
 
+def parse_precision(text: str) -> dict[str, int]:
+    """`weights=bf16,master=fp32,grads=fp32,moments=fp32` as Precision fields; a kind left out keeps its default."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, dtype = (x.strip() for x in item.partition("="))
+        if not sep or kind not in PRECISION_KINDS:
+            raise WorkloadError(f"--precision: {item!r} is not kind=dtype with kind in {', '.join(PRECISION_KINDS)}")
+        if dtype not in PRECISION_DTYPES or (dtype == "none" and kind != "master"):
+            allowed = [d for d in PRECISION_DTYPES if d != "none" or kind == "master"]
+            raise WorkloadError(f"--precision: {kind} expects one of {', '.join(allowed)}, got {dtype!r}")
+        field, count = PRECISION_KINDS[kind]
+        out[field] = count * PRECISION_DTYPES[dtype]
+    return out
+
+
+def recipe_precision(recipe, dtype: str) -> Precision:
+    """The recipe's bytes per tensor kind, as the dry run counts them (telechat_moe.dry_run.static_memory): weights
+    and gradients in model.params_dtype, AdamW's two moments in float32, a float32 master copy where the weights
+    are below float32 (Precision's own rule: so it follows weights restated below float32); activations in the
+    GEMM dtype (fp32 GEMMs keep fp32 activations)."""
+    weights = DTYPES[recipe.model.params_dtype][1]
+    return Precision(matmul_dtype=dtype, activation_bytes=4 if dtype == "fp32" else 2, param_bytes=weights,
+                     grad_bytes=weights, optimizer_bytes=8)
+
+
 def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, seq: int | None = None,
-                    global_batch: int | None = None, dtype: str | None = None) -> Workload:
+                    global_batch: int | None = None, dtype: str | None = None,
+                    precision: str | None = None) -> Workload:
     """The recipe's model on `devices` of `cluster` (a name, a YAML path or a loaded Cluster). Unset arguments take
-    the recipe's own: its layout's device count, model.seq_length, training.global_batch_size, and GEMMs in
-    model.compute_dtype. Its expert exchanges are this project's dispatchers' padded buffers."""
+    the recipe's own: its layout's device count, model.seq_length, training.global_batch_size, GEMMs in
+    model.compute_dtype and the trainer's bytes per tensor kind (`recipe_precision`), of which `precision`
+    (`parse_precision`'s text) restates any. Its expert exchanges are this project's dispatchers' padded
+    buffers."""
     if not isinstance(cluster, Cluster):
         try:
             cluster = load_cluster(cluster)
@@ -33,13 +66,11 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
     if dtype not in cluster.peak_flops:
         raise WorkloadError(f"--dtype: cluster {cluster.name} has no peak for {dtype} (has "
                             f"{', '.join(sorted(cluster.peak_flops))}); pass --dtype")
-    param_bytes = DTYPES[recipe.model.params_dtype][1]
-    precision = Precision(matmul_dtype=dtype, activation_bytes=4 if dtype == "fp32" else 2, param_bytes=param_bytes,
-                          grad_bytes=param_bytes, optimizer_bytes=8)
+    bytes_per_kind = dataclasses.replace(recipe_precision(recipe, dtype), **parse_precision(precision or ""))
     seq = seq or recipe.model.seq_length
     shape = dataclasses.replace(recipe.model.to_model_shape(), seq_length=seq)
     return Workload(shape, cluster, devices or recipe.layout.world_size, seq,
-                    global_batch or recipe.training.global_batch_size, precision,
+                    global_batch or recipe.training.global_batch_size, bytes_per_kind,
                     shard_optimizer=recipe.parallel_config.optimizer_shard, padded_exchange=True)
 
 

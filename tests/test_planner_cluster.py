@@ -40,6 +40,8 @@ def _write(tmp_path, mutate):
     (lambda d: d.update(runtime={"keeps_op_outputs": "yes"}), "keeps_op_outputs"),
     (lambda d: d.update(runtime={"graph_memory": -1.0}), "graph_memory"),
     (lambda d: d.update(runtime={"kernel_overhead": 1.0}), "runtime.kernel_overhead"),
+    (lambda d: d.update(host_link={"bandwidth": 0}), "host_link.bandwidth"),
+    (lambda d: d.update(runtime={"fixed_memory_in_pool": "no"}), "fixed_memory_in_pool"),
 ])
 def test_bad_cluster_file_names_the_field(tmp_path, mutate, field):
     path = _write(tmp_path, mutate)
@@ -58,3 +60,14 @@ def test_runtime_section_defaults_to_an_accelerator_runtime():
     assert not load_cluster("ascend910b").runtime.keeps_op_outputs
     cpu = load_cluster("cpu").runtime  # fitted by the calibration on real training steps
     assert cpu.keeps_op_outputs and cpu.devices_share_cores and cpu.activation_outputs > 1 and cpu.update_scale > 1
+
+
+def test_every_shipped_cluster_states_its_host_link_and_fixed_memory():
+    """The host link (activation offload), the collective library's buffers per communicator and the runtime's
+    working memory, each with a source; accelerators hold the last two beside the framework's memory pool."""
+    for name in available_clusters():
+        c = load_cluster(name)
+        assert c.host_link_bandwidth > 0 and c.runtime.communicator_memory > 0 and c.runtime.graph_memory > 0, name
+        assert "host_link" in c.sources and ("runtime" in c.sources), name
+        assert c.runtime.fixed_memory_in_pool == (name == "cpu"), name
+    assert load_cluster("ascend910b").runtime.communicator_memory == 2 * 200 * 2 ** 20  # 2 x HCCL_BUFFSIZE

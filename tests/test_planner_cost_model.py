@@ -218,3 +218,102 @@ def test_a_runtime_that_keeps_every_output_holds_each_graphs_activations():
     lay = Layouts.of(ParallelLayout(tp=2, pp=1, dp=8, ep=8, micro_batch_num=1, micro_batch_size=1, recompute="full"))
     full = stage_memory(keep, lay, block_costs(keep, lay), even_stage(W, lay, np.array([0])))
     assert full["activations"][0] > 1.5 * one_graph  # the recomputed forward's outputs come on top
+
+
+def test_precision_states_each_tensor_kind():
+    """BF16 weights, FP32 gradients, an FP32 master copy and FP32 moments, each where the memory model puts it: the
+    master copy and the moments are optimizer states (sharded over data parallelism); a master copy can be
+    absent, and by default there is one exactly where the weights are below fp32."""
+    from parallel.planner.cost_model import Precision
+
+    lay = Layouts.of(ParallelLayout(tp=2, pp=2, dp=64, ep=8, micro_batch_num=4))
+    st = even_stage(W, lay, np.array([0]))
+
+    def memory(**kinds):
+        w = dataclasses.replace(W, precision=Precision(**kinds))
+        return stage_memory(w, lay, block_costs(w, lay), st)
+
+    mixed = memory(param_bytes=2, grad_bytes=4, master_bytes=4, optimizer_bytes=8)
+    params = mixed["dense_params"][0] + mixed["expert_params"][0]
+    assert mixed["weights"][0] == pytest.approx(2 * params) and mixed["grads"][0] == pytest.approx(4 * params)
+    sharded = mixed["dense_params"][0] / 64 + mixed["expert_params"][0] / (64 * 2 // 8)
+    assert mixed["optimizer"][0] == pytest.approx(12 * sharded)
+    assert memory(param_bytes=2, grad_bytes=4, master_bytes=0, optimizer_bytes=4)["optimizer"][0] == pytest.approx(
+        4 * sharded)
+    assert memory(param_bytes=2)["optimizer"][0] == mixed["optimizer"][0]  # the fp32 master by default
+    assert memory(param_bytes=4)["optimizer"][0] == pytest.approx(8 * sharded)  # fp32 weights are the master
+    # the update streams the master copy twice (read, write)
+    t = [update_time(dataclasses.replace(W, precision=Precision(param_bytes=2, master_bytes=m)), lay, mixed,
+                     np.ones(1), np.ones(1))[0] for m in (0, 4)]
+    assert t[1] > t[0]
+
+
+def test_precision_on_the_command_line(capsys):
+    from telechat_moe.plan import main
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.workload import WorkloadError, parse_precision, recipe_workload
+
+    assert parse_precision("weights=bf16, master=fp32,grads=fp32,moments=fp32,activations=fp8") == {
+        "param_bytes": 2, "master_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8, "activation_bytes": 1}
+    assert parse_precision("master=none") == {"master_bytes": 0}
+    w = recipe_workload(load_recipe("105b"), "ascend910b", 256, precision="weights=bf16,grads=fp32")
+    p = w.precision
+    assert (p.param_bytes, p.grad_bytes, p.master, p.optimizer_bytes, p.activation_bytes) == (2, 4, 4, 8, 2)
+    for bad, field in (("weight=bf16", "'weight=bf16'"), ("grads=int4", "grads expects"), ("moments=none", "moments"),
+                       ("grads", "'grads'")):
+        with pytest.raises(WorkloadError, match=field):
+            parse_precision(bad)
+    assert main(["--recipe", "105b", "--devices", "256", "--precision", "grads=int4", "--evaluate", "tp=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("telechat_moe.plan: --precision: grads expects") and err.count("\n") == 1
+
+
+def test_all_to_all_latency_grows_with_the_group():
+    """One message per peer: in-node peers at the intra-node latency, the others at the inter-node one."""
+    c = _Costing(W, Layouts.of(ParallelLayout(dp=256, micro_batch_num=2)))
+    lat = {size: c.all_to_all(0.0, np.array([float(size)]))[0] for size in (2, 8, 16, 64, 256)}
+    intra, inter = W.cluster.intra_latency, W.cluster.inter_latency
+    assert lat[2] == pytest.approx(intra) and lat[8] == pytest.approx(7 * intra)
+    assert lat[64] == pytest.approx(7 * intra + 56 * inter)
+    assert list(lat.values()) == sorted(lat.values())
+    # between two nodes alone (stride 8: one member per node) only the inter-node message
+    assert c.all_to_all(0.0, np.array([2.0]), 8.0)[0] == pytest.approx(inter)
+
+
+def test_activation_offload_trades_memory_for_host_link_time():
+    lay = Layouts.of(ParallelLayout(tp=4, pp=4, dp=16, ep=16, micro_batch_num=32, recompute="none"))
+    base = evaluate(W, lay)
+    half = evaluate(dataclasses.replace(W, activation_offload=0.5), lay)
+    assert half["memory"][0] < base["memory"][0]
+    st = even_stage(W, lay, np.array([1]))
+    m0, m1 = (stage_memory(w, lay, block_costs(w, lay), st)
+              for w in (W, dataclasses.replace(W, activation_offload=0.5)))
+    assert m1["activations"][0] == pytest.approx(0.5 * m0["activations"][0])
+    # a copy hides behind compute up to its length: over a link this slow it shows, over a fast one it does not
+    slow, fast = (dataclasses.replace(W, cluster=dataclasses.replace(W.cluster, host_link_bandwidth=bw),
+                                      activation_offload=0.5) for bw in (1e9, 1e15))
+    assert evaluate(slow, lay)["step_time"][0] > base["step_time"][0]
+    assert evaluate(fast, lay)["step_time"][0] == pytest.approx(base["step_time"][0], rel=1e-12)
+    with pytest.raises(ValueError, match="activation_offload"):
+        dataclasses.replace(W, activation_offload=1.5)
+    with pytest.raises(ValueError, match="host_link"):
+        dataclasses.replace(W, cluster=dataclasses.replace(W.cluster, host_link_bandwidth=0.0), activation_offload=0.1)
+
+
+def test_fixed_memory_beside_the_pool_or_inside_it():
+    """Communicator buffers per group of more than one device and the runtime's working memory: on ascend910b
+    beside MindSpore's pool (they must fit what the pool leaves of the device), inside it when the runtime says
+    so."""
+    from parallel.planner.cost_model import fixed_memory
+
+    lay = Layouts.of(ParallelLayout(tp=4, pp=4, dp=16, ep=16, etp=1, micro_batch_num=32))
+    rt = W.cluster.runtime
+    assert fixed_memory(W, lay)[0] == pytest.approx(4 * rt.communicator_memory + rt.graph_memory)  # dp, tp, pp, ep
+    st = even_stage(W, lay, np.array([0]))
+    beside = stage_memory(W, lay, block_costs(W, lay), st)
+    inside_w = _with_runtime(fixed_memory_in_pool=True)
+    inside = stage_memory(inside_w, lay, block_costs(inside_w, lay), st)
+    assert inside["total"][0] - beside["total"][0] == pytest.approx(fixed_memory(W, lay)[0])
+    crowded = _with_runtime(communicator_memory=2 * 2 ** 30)  # four groups: 8 GiB beside a 57.6 GiB pool of 64
+    assert not evaluate(crowded, lay)["fits"][0]
+    assert evaluate(crowded, lay)["memory"][0] == evaluate(W, lay)["memory"][0]

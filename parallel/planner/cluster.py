@@ -42,7 +42,10 @@ class Runtime:
 
     communicator_memory is the bytes a device holds per communication group of more than one device it belongs
     to (data, tensor, pipeline, expert, expert-tensor parallel): the collective library's own buffers (0: not
-    modelled).
+    modelled). Where the runtime does not keep every operator output, graph_memory is the runtime's fixed working
+    memory once (an accelerator's context and loaded kernels). With fixed_memory_in_pool these two count against the
+    usable memory; without it the usable memory is the framework's memory pool (MindSpore's max_device_memory) and
+    they are allocated beside it, by the collective library and the driver, in the rest of the device memory.
 
     reference_step_time is the seconds of one step of the calibration's reference probe
     (telechat_moe.calibration.REFERENCE) when these constants were fitted: the machine speed they hold for (0: not
@@ -60,6 +63,7 @@ class Runtime:
     weight_outputs: float = 1.0
     graph_memory: float = 0.0
     communicator_memory: float = 0.0
+    fixed_memory_in_pool: bool = True
     reference_step_time: float = 0.0
 
 
@@ -81,6 +85,7 @@ class Cluster:
     flash_attention: bool  # scores never materialised (and recomputed in backward)
     op_overhead: float  # seconds per operator launch not hidden behind the previous one
     usable_memory_fraction: float
+    host_link_bandwidth: float = 0.0  # bytes/s per device and direction to host memory (0: none stated)
     runtime: Runtime = Runtime()
     sources: dict = field(default_factory=dict, compare=False)
 
@@ -148,6 +153,8 @@ def cluster_from_dict(doc: dict, where: str) -> Cluster:
     usable = _get(doc, "usable_memory_fraction", where)
     if usable > 1:
         raise ClusterError(f"{where}: field usable_memory_fraction must be at most 1, got {usable}")
+    # optional, so that a calibration's file without it loads: only activation offload needs it
+    host_link = _get(doc, "host_link.bandwidth", where) if "host_link" in doc else 0.0
     return Cluster(
         name=str(doc.get("name", where)), devices_per_node=_get(doc, "devices_per_node", where, int),
         peak_flops=peak_flops, memory_bytes=_get(doc, "device.memory_gib", where) * GIB,
@@ -156,7 +163,8 @@ def cluster_from_dict(doc: dict, where: str) -> Cluster:
         inter_bandwidth=_get(doc, "inter_node.bandwidth", where), inter_latency=_get(doc, "inter_node.latency", where),
         matmul_efficiency=eff["matmul"], memory_efficiency=eff["memory"], network_efficiency=eff["network"],
         attention_efficiency=eff["attention"], flash_attention=_get(doc, "flash_attention", where, bool),
-        op_overhead=_get(doc, "op_overhead", where), usable_memory_fraction=usable, runtime=_runtime(doc, where),
+        op_overhead=_get(doc, "op_overhead", where), usable_memory_fraction=usable, host_link_bandwidth=host_link,
+        runtime=_runtime(doc, where),
         sources=dict(doc.get("sources") or {}))
 
 

@@ -7,8 +7,10 @@ Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per
 - GEMMs by roofline: max(FLOPs / (peak * matmul_efficiency), bytes / (memory bandwidth * memory_efficiency));
   backward = the data-gradient and weight-gradient GEMMs. Routed experts are one grouped GEMM over the local
   experts, so few tokens per expert become weight-bandwidth bound.
-- Attention core: causal FLOPs at `attention_efficiency`; with flash attention the backward recomputes scores
-  (2.5x forward); without it the full S x S scores are computed and streamed through memory (CPU).
+- Attention: MLA or GQA projections (ModelShape), GQA's KV heads sharded over tp or, where tp exceeds them, each
+  computed on the tp / kv ranks that hold it. Attention core: causal FLOPs at `attention_efficiency`; with flash
+  attention the backward recomputes scores (2.5x forward); without it the full S x S scores are computed and
+  streamed through memory (CPU).
 - Memory-bound elementwise work (norms, residuals, SwiGLU, RoPE, routing, permutation) as bytes over bandwidth,
   plus a per-operator launch overhead.
 - Tensor parallelism always with sequence parallelism, its collectives those parallel/tp issues
@@ -22,7 +24,11 @@ Per block kind (dense layer, MoE layer, embedding, head+loss, MTP depth) and per
 - Expert parallelism: dispatch and combine all-to-all, `flat` (one all-to-all over the EP group), `hierarchical`
   (all-gather across nodes among devices with the same local index, local filtering, all-to-all inside the node)
   or `node_dedup` (DeepEP-style: each token crosses once to each distinct destination node, at most `topk_group`
-  nodes under group-limited routing, and is forwarded inside the node).
+  nodes under group-limited routing, and is forwarded inside the node). An all-to-all's latency grows with its
+  group (the pairwise-exchange, Hockney model): one message per peer, each paying its link's latency, in-node
+  peers the intra-node and the others the inter-node one, serially: the collective libraries post a peer's
+  send/receive after another's (an upper bound for a dispatcher whose RDMA writes to all peers are in flight at
+  once). A dense model (no routed experts) has no MoE block and no exchange.
   With `ep_overlap` the micro-batch runs as two chunks on two streams: time = max(C, A) + min(C, A) / 2 for
   expert-block compute C and all-to-all A; otherwise C + A. An uneven expert placement (`expert_load`: max/mean
   copies per EP rank) multiplies the routed expert compute: the slowest rank paces the combine.
@@ -37,6 +43,16 @@ Activation memory per micro-batch under recompute none / selective (norms, SwiGL
 attention scores are recomputed) / full (only the layer input is kept; the forward, including its communication,
 runs again in backward). The pipeline keeps `in_flight` micro-batches per stage (1F1B: p - s; interleaved:
 Megatron's warm-up count), which decides the peak.
+Activation offload (`Workload.activation_offload`): that share of every block's kept activations is copied to
+host memory over the cluster's host link after the block's forward and back before its backward, on a copy
+engine beside the compute; each copy is assumed to overlap one block's compute (the next block's in the forward,
+the previous one's in the backward, priced as this block's own: a stage's layers are alike), so only what a copy
+takes beyond that compute is exposed. The device holds the rest of each in-flight micro-batch's activations plus
+the offloaded share of two blocks (the one in use and the one in flight). A runtime that keeps every operator
+output (keeps_op_outputs) frees nothing by offloading.
+Fixed memory (cluster.Runtime): the collective library's buffers per communication group of more than one device
+and the runtime's working memory; inside the usable memory, or, for a runtime whose framework pool is the usable
+memory while those live beside it (fixed_memory_in_pool false), in the rest of the device memory.
 A cluster's `runtime` section (cluster.Runtime, fitted by the calibration on real steps) scales the compute, adds
 a cost per micro-batch and, for a runtime that keeps every operator output (MindSpore on CPU), replaces the
 activation memory by what such a runtime holds.
@@ -51,20 +67,28 @@ from parallel.ep.capacity import exchange_rows
 from parallel.layout import EP_SCHEMES, RECOMPUTE, ParallelLayout
 from parallel.planner import tp_traffic
 from parallel.planner.cluster import Cluster
-from parallel.planner.model_shape import ModelShape, block_parameters, dense_layers_in, flops_per_token
+from parallel.planner.model_shape import (ModelShape, block_parameters, dense_layers_in, flops_per_token,
+                                          kv_per_device, master_copy_bytes)
 
 FP32 = 4
 
 
 @dataclass(frozen=True)
 class Precision:
+    """Bytes per element of each kind of tensor, each stated on its own (e.g. BF16 weights, FP32 gradients, an FP32
+    master copy and FP32 moments: param_bytes=2, grad_bytes=4, master_bytes=4, optimizer_bytes=8)."""
     matmul_dtype: str = "bf16"  # selects the cluster's peak FLOP/s for GEMMs and attention
     activation_bytes: int = 2  # stored / communicated activations
-    param_bytes: int = 4  # MindFormers keeps params_dtype float32 and casts to the compute dtype
+    param_bytes: int = 4  # the weights the passes read (MindFormers keeps params_dtype float32, cast per GEMM)
     grad_bytes: int = 4
-    optimizer_bytes: int = 8  # Adam m and v; a 4-byte master copy is added where params are below fp32
+    optimizer_bytes: int = 8  # Adam's m and v together (fp32 moments: 8)
+    master_bytes: int | None = None  # the optimizer's master copy; None: fp32 where the weights are below fp32
     dispatch_bytes: int | None = None  # EP dispatch payload (e.g. 1 for FP8 dispatch); None: activation_bytes
     residual_bytes: int = 4  # the residual stream (the embedding's output, what its tp collectives move)
+
+    @property
+    def master(self) -> float:
+        return master_copy_bytes(self.param_bytes, self.master_bytes)
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,14 @@ class Workload:
     # loaded rank computes that many times the mean copies and the combine waits for it, so it sets every rank's
     # expert time (and, without padded buffers, its receive sets the exchange's); how an expert placement is priced
     expert_load: float = 1.0
+    # share (0..1) of the activations kept for the backward that waits in host memory (module docstring)
+    activation_offload: float = 0.0
+
+    def __post_init__(self):
+        if not 0 <= self.activation_offload <= 1:
+            raise ValueError(f"activation_offload: expected a share between 0 and 1, got {self.activation_offload}")
+        if self.activation_offload and self.cluster.host_link_bandwidth <= 0:
+            raise ValueError(f"activation_offload: cluster {self.cluster.name} states no host_link.bandwidth")
 
 
 @dataclass
@@ -205,13 +237,17 @@ class _Costing:
              + (local - 1) / local * total_bytes / self.intra_bw + (local - 1) * c.intra_latency)
         return np.where(size > 1, t, 0.0)
 
+    def peer_latency(self, local, remote):
+        """Seconds of the messages to `local` in-node and `remote` other-node peers, one after another."""
+        return local * self.c.intra_latency + remote * self.c.inter_latency
+
     def all_to_all(self, send_bytes, size, stride=1.0):
-        """Seconds of a uniform all-to-all where each rank sends `send_bytes` spread over the group."""
+        """Seconds of a uniform all-to-all where each rank sends `send_bytes` spread over the group: the bytes over
+        the slower of the two links, and a message to every peer (module docstring)."""
         nodes, local = self.group_span(size, stride)
         cross = send_bytes * (size - local) / size
         intra = send_bytes * (local - 1) / size
-        t = (np.maximum(cross / self.inter_bw, intra / self.intra_bw)
-             + np.where(nodes > 1, self.c.inter_latency, 0.0) + self.c.intra_latency)
+        t = np.maximum(cross / self.inter_bw, intra / self.intra_bw) + self.peer_latency(local - 1, size - local)
         return np.where(size > 1, t, 0.0)
 
     def all_reduce(self, nbytes, size, stride=1.0):
@@ -240,20 +276,37 @@ class _Costing:
         return n * self.c.op_overhead
 
     # ---- blocks -------------------------------------------------------------------------------------
-    def attention(self):
-        """(fwd, bwd, fwd elementwise, act per mode, transient) of an MLA block incl. its input norm."""
-        s, T, Tl, tp, ab = self.s, self.T, self.Tl, self.tp, self.ab
-        h, H = s.hidden_size, s.num_heads
-        qk, vd = s.qk_head_dim, s.v_head_dim
-        fwd = bwd = 0.0
+    def attention_shapes(self):
+        """What differs between MLA and GQA: (the projections' GEMMs [M, K, N], per-token widths on T tokens of
+        the elementwise work, of the activations kept for the backward under selective recompute, and of the norm
+        outputs selective recompute drops)."""
+        s, T, tp = self.s, self.T, self.tp
+        h, H, heads, qk, vd = s.hidden_size, s.num_heads, s.num_heads / tp, s.qk_head_dim, s.value_head_dim
+        if not s.mla:  # q and o split by head; k and v by KV head (each held whole where tp exceeds the KV heads)
+            kv_heads = kv_per_device(s, tp)[0] / (2 * h * qk)
+            qk_heads = heads + kv_heads
+            proj = [(T, h, heads * qk), (T, h, 2 * kv_heads * qk), (T, heads * qk, h)]
+            norms = qk_heads * qk * s.qk_layernorm
+            return proj, 4 * heads * qk + 2 * qk_heads * qk + 3 * norms, 2 * heads * qk + 2 * kv_heads * qk, norms
         proj = [(T, s.kv_lora_rank, H * (s.qk_nope_head_dim + vd) / tp), (T, H * vd / tp, h),
                 (T, h, s.kv_lora_rank + s.qk_rope_head_dim)]
         proj += ([(T, h, s.q_lora_rank), (T, s.q_lora_rank, H * qk / tp)] if s.q_lora_rank else [(T, h, H * qk / tp)])
+        latent = s.q_lora_rank + s.kv_lora_rank
+        elementwise = 3 * latent + 4 * heads * qk + 2 * heads * s.qk_rope_head_dim
+        kept = 2 * (s.kv_lora_rank + s.qk_rope_head_dim) + s.q_lora_rank + heads * (2 * qk + 2 * vd)
+        return proj, elementwise, kept, latent
+
+    def attention(self):
+        """(fwd, bwd, fwd elementwise, act per mode, transient) of an attention block incl. its input norm."""
+        s, T, Tl, tp, ab = self.s, self.T, self.Tl, self.tp, self.ab
+        h, H = s.hidden_size, s.num_heads
+        qk, vd = s.qk_head_dim, s.value_head_dim
+        fwd = bwd = 0.0
+        proj, elementwise_width, kept_width, norm_width = self.attention_shapes()
         for M, K, N in proj:
             f, b = self.gemm(M, K, N)
             fwd, bwd = fwd + f, bwd + b
         seqs, S, heads = T / self.w.seq_length, float(self.w.seq_length), H / tp
-        latent = s.q_lora_rank + s.kv_lora_rank
         if self.c.flash_attention:
             core = seqs * heads * 2 * S * S * (qk + vd) / 2 / self.attn_flops
             fwd, bwd = fwd + core, bwd + 2.5 * core
@@ -264,11 +317,10 @@ class _Costing:
             score_bytes = 6 * elems * FP32
             fwd, bwd = fwd + core + self.stream(score_bytes), bwd + 2 * core + self.stream(2 * score_bytes)
             scores_kept = elems * FP32
-        elementwise = self.stream(ab * (Tl * 7 * h + T * (3 * latent + 4 * heads * qk + 2 * heads * s.qk_rope_head_dim)))
+        elementwise = self.stream(ab * (Tl * 7 * h + T * elementwise_width))
         fwd, bwd = fwd + elementwise + self.ops(25), bwd + 2 * elementwise + self.ops(50)
-        keep_sel = ab * (Tl * h + T * (2 * (s.kv_lora_rank + s.qk_rope_head_dim) + s.q_lora_rank
-                                       + heads * (2 * qk + 2 * vd)))
-        norms_dropped = ab * (Tl * h + T * latent)
+        keep_sel = ab * (Tl * h + T * kept_width)
+        norms_dropped = ab * (Tl * h + T * norm_width)
         if self.c.flash_attention:  # scores are recomputed by the kernel anyway; only the log-sum-exp is kept
             keep_sel, full, recompute_sel = keep_sel + scores_kept, keep_sel + scores_kept + norms_dropped, elementwise
         else:
@@ -329,7 +381,7 @@ class _Costing:
                     distinct = np.minimum(distinct, s.topk_group)
                 cross = self.Tl * h * nbytes * distinct * (nodes - 1) / nodes
                 dedup = (np.maximum(cross / self.inter_bw, self.Tl * k * h * nbytes * (local - 1) / local
-                                    / self.intra_bw) + self.c.inter_latency + self.c.intra_latency)
+                                    / self.intra_bw) + self.peer_latency(local - 1, nodes - 1))
                 scheme = self.lay.ep_scheme
                 total = total + np.where(nodes > 1, np.select([scheme == 1, scheme == 2], [hier, dedup], flat), flat)
                 total = total + self.all_gather(self.Tl * k * self.etp * h * nbytes, self.etp)
@@ -411,6 +463,11 @@ class _Costing:
             transient=np.stack([bc(transient), bc(transient), bc(transient) + bc(act_none)]),
             dense_params=bc(dense) + z, expert_params=bc(expert) + z, replicated_params=bc(replicated) + z)
 
+    def absent(self) -> BlockCost:
+        """A block the model does not have (a dense model's MoE layer and MTP depth): nothing, at no cost."""
+        z, zz = np.zeros(len(self.lay)), np.zeros((3, len(self.lay)))
+        return BlockCost(z, z, z, z, zz, zz, zz, zz, z, z, z)
+
     def embedding(self) -> BlockCost:
         n = len(self.lay)
         z = np.zeros(n)
@@ -472,7 +529,9 @@ def block_costs(w: Workload, lay: Layouts) -> BlockCosts:
     if w.shape.tie_embeddings:  # one shared matrix; on a separate last stage a synchronised copy
         head.dense_params = np.where(lay.pp > 1, head.dense_params, head.dense_params - block_parameters(
             w.shape, c.tp, 1)["vocab"])
-    return BlockCosts(dense=c.dense_layer(), moe=c.moe_layer(), embedding=c.embedding(), head=head, mtp=c.mtp())
+    moe = w.shape.num_routed_experts > 0  # a dense model has neither MoE layers nor MTP depths (ModelShape)
+    return BlockCosts(dense=c.dense_layer(), moe=c.moe_layer() if moe else c.absent(), embedding=c.embedding(),
+                      head=head, mtp=c.mtp() if moe else c.absent())
 
 
 def p2p_time(w: Workload, lay: Layouts) -> np.ndarray:
@@ -510,25 +569,39 @@ def _pick(per_mode: np.ndarray, mode: np.ndarray) -> np.ndarray:
     return np.take_along_axis(per_mode, np.broadcast_to(mode, per_mode.shape[1:])[None], 0)[0]
 
 
+def offload_copies(w: Workload, blk: BlockCost, mode) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of a block's activation offload copies (recompute `mode`, a number or an array)
+    not hidden behind one block's compute (module docstring)."""
+    if not w.activation_offload:
+        return 0.0, 0.0
+    c = w.cluster
+    copy = w.activation_offload * _pick(blk.act, mode) / (c.host_link_bandwidth * c.network_efficiency)
+    return (np.maximum(0.0, copy - blk.fwd_compute),
+            np.maximum(0.0, copy - blk.bwd_compute - _pick(blk.recompute, mode)))
+
+
 def stage_parts(w: Workload, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarray]:
     """Seconds of one micro-batch through the stage, split into compute and exposed in-pass communication
-    (TP, EP), forward and backward (backward includes recompute)."""
+    (TP, EP, activation offload copies), forward and backward (backward includes recompute)."""
     d = w.shape.mtp_depth
     mtp_extra = _pick(b.mtp.recompute, st.mtp_mode)
     mtp_extra_comm = _pick(b.mtp.recompute_comm, st.mtp_mode)
+    mtp_copy_f, mtp_copy_b = offload_copies(w, b.mtp, st.mtp_mode)
     out = {"fwd_compute": (st.embedding * b.embedding.fwd_compute
                            + st.last * (b.head.fwd_compute + d * b.mtp.fwd_compute)),
-           "fwd_comm": st.embedding * b.embedding.fwd_comm + st.last * (b.head.fwd_comm + d * b.mtp.fwd_comm),
+           "fwd_comm": (st.embedding * b.embedding.fwd_comm
+                        + st.last * (b.head.fwd_comm + d * (b.mtp.fwd_comm + mtp_copy_f))),
            "bwd_compute": (st.embedding * b.embedding.bwd_compute
                            + st.last * (b.head.bwd_compute + d * (b.mtp.bwd_compute + mtp_extra))),
            "bwd_comm": (st.embedding * b.embedding.bwd_comm
-                        + st.last * (b.head.bwd_comm + d * (b.mtp.bwd_comm + mtp_extra_comm)))}
+                        + st.last * (b.head.bwd_comm + d * (b.mtp.bwd_comm + mtp_extra_comm + mtp_copy_b)))}
     for mode in range(3):
         for blk, count in ((b.dense, st.dense_by_mode[mode]), (b.moe, st.moe_by_mode[mode])):
+            copy_f, copy_b = offload_copies(w, blk, np.full(len(blk.fwd_compute), mode))
             out["fwd_compute"] = out["fwd_compute"] + count * blk.fwd_compute
-            out["fwd_comm"] = out["fwd_comm"] + count * blk.fwd_comm
+            out["fwd_comm"] = out["fwd_comm"] + count * (blk.fwd_comm + copy_f)
             out["bwd_compute"] = out["bwd_compute"] + count * (blk.bwd_compute + blk.recompute[mode])
-            out["bwd_comm"] = out["bwd_comm"] + count * (blk.bwd_comm + blk.recompute_comm[mode])
+            out["bwd_comm"] = out["bwd_comm"] + count * (blk.bwd_comm + blk.recompute_comm[mode] + copy_b)
     return out
 
 
@@ -543,6 +616,7 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     kept for in-flight micro-batches plus the largest transient of one block)."""
     p, d = w.precision, w.shape.mtp_depth
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
+    largest_act = st.last * (d > 0) * _pick(b.mtp.act, st.mtp_mode)  # the largest block's kept activations
     replicated = st.last * (b.head.replicated_params + d * b.mtp.replicated_params)
     expert = st.last * d * b.mtp.expert_params
     act = st.last * d * _pick(b.mtp.act, st.mtp_mode)
@@ -559,26 +633,40 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
         for blk, count in ((b.dense, nd), (b.moe, ne)):
             transient = np.maximum(transient, np.where(count > 0, blk.transient[mode], 0.0))
             transient_none = np.maximum(transient_none, np.where(count > 0, blk.transient[0], 0.0))
-    opt_bytes = p.optimizer_bytes + (4 if p.param_bytes < 4 else 0)
+            largest_act = np.maximum(largest_act, np.where(count > 0, blk.act[mode], 0.0))
     shards_dense = lay.dp if w.shard_optimizer else 1
     shards_expert = lay.dp * lay.tp // (lay.ep * lay.etp) if w.shard_optimizer else 1
     params = dense + expert
-    out = {"weights": params * p.param_bytes, "grads": params * p.grad_bytes,
-           "optimizer": opt_bytes * (dense / shards_dense + expert / shards_expert),
-           "activation_per_microbatch": act, "activations": act * in_flight(lay, st.stage), "transient": transient,
-           "dense_params": dense, "expert_params": expert, "replicated_params": replicated}
     rt = w.cluster.runtime
+    # on the device: the kept activations but their offloaded share, and that share of the two blocks in transfer
+    offload = 0.0 if rt.keeps_op_outputs else w.activation_offload
+    out = {"weights": params * p.param_bytes, "grads": params * p.grad_bytes,
+           "optimizer": (p.optimizer_bytes + p.master) * (dense / shards_dense + expert / shards_expert),
+           "activation_per_microbatch": (1 - offload) * act,
+           "activations": (1 - offload) * act * in_flight(lay, st.stage),
+           "transient": transient + offload * 2 * largest_act,
+           "dense_params": dense, "expert_params": expert, "replicated_params": replicated}
+    transient = out["transient"]
     if rt.keeps_op_outputs:  # see cluster.Runtime: nothing is freed or reused inside a step
         graphs = np.where(lay.m > 1, 2.0, 1.0)
         held = rt.activation_outputs * (act_none + transient_none) + rt.recompute_outputs * (act_none - act)
         out["activations"] = graphs * held * in_flight(lay, st.stage)
         out["grads"] = params * p.grad_bytes * (rt.weight_outputs + (lay.m > 1))
-        out["transient"] = transient = graphs * rt.graph_memory
-    # the collective library's buffers are fixed working memory, like a graph's
-    groups = sum((np.asarray(g) > 1).astype(np.float64) for g in (lay.dp, lay.tp, lay.pp, lay.ep, lay.etp))
-    out["transient"] = transient = transient + groups * rt.communicator_memory
+        transient = np.zeros(len(lay))
+    out["fixed"] = fixed_memory(w, lay)
+    out["transient"] = transient = transient + (out["fixed"] if rt.fixed_memory_in_pool else 0.0)
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"] + transient
     return out
+
+
+def fixed_memory(w: Workload, lay: Layouts) -> np.ndarray:
+    """Bytes a device holds whatever the stage (cluster.Runtime): the collective library's buffers of each of its
+    communication groups of more than one device, and the runtime's working memory (once per compiled graph where
+    the runtime keeps every operator output: two when a step accumulates gradients)."""
+    rt = w.cluster.runtime
+    groups = sum((np.asarray(g) > 1).astype(np.float64) for g in (lay.dp, lay.tp, lay.pp, lay.ep, lay.etp))
+    graphs = np.where(rt.keeps_op_outputs & (lay.m > 1), 2.0, 1.0)
+    return groups * rt.communicator_memory + graphs * rt.graph_memory
 
 
 def gradient_comm(w: Workload, lay: Layouts, mem: dict) -> dict[str, np.ndarray]:
@@ -606,8 +694,7 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     rs, ag = g["dp"][0] + g["edp"][0], g["dp"][1] + g["edp"][1]
     exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd) if w.overlap_grad_reduce else rs + ag
     exposed = exposed + g["tp"] + g["ep"]
-    master = 4 if p.param_bytes < 4 else 0
-    per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * master + p.param_bytes
+    per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * p.master + p.param_bytes
     shards_d = c.dp if w.shard_optimizer else 1.0
     shards_e = edp if w.shard_optimizer else 1.0
     rt = c.c.runtime
@@ -676,7 +763,10 @@ def summarise(w: Workload, lay: Layouts, total, pipe, work, memory) -> dict[str,
     tokens = w.global_batch * w.seq_length
     tps = tokens / total / w.devices
     model_flops = flops_per_token(w.shape, w.seq_length)["training"]
+    c = w.cluster
+    # fixed memory outside the framework's pool must fit in what the pool leaves of the device
+    beside = c.runtime.fixed_memory_in_pool | (fixed_memory(w, lay) <= c.memory_bytes - c.usable_memory)
     return {"step_time": total, "tokens_per_s_per_device": tps,
-            "mfu": tps * model_flops / w.cluster.flops(w.precision.matmul_dtype),
-            "memory": memory, "fits": memory <= w.cluster.usable_memory,
+            "mfu": tps * model_flops / c.flops(w.precision.matmul_dtype),
+            "memory": memory, "fits": (memory <= c.usable_memory) & beside,
             "bubble": 1.0 - lay.m * work / (lay.pp * pipe)}

@@ -1,10 +1,17 @@
-"""The planner's description of a TeleChat3 / DeepSeek-V3 style MoE decoder: parameter counts, FLOPs, memory.
+"""The planner's description of a TeleChat3 / DeepSeek-V3 style decoder: parameter counts, FLOPs, memory.
+
+A shape is an MoE model (routed experts after `first_k_dense` dense layers) or, with no routed experts, a dense
+model (every layer dense, `first_k_dense == num_layers`). Attention is Multi-Latent Attention when `kv_lora_rank`
+is given, otherwise grouped-query attention (GQA; MHA when the KV heads equal the query heads) over
+`num_key_value_heads` heads of `head_dim`.
 
 Everything here is exact integer arithmetic over the model's shapes, so the parameter count can be compared
 one-for-one with a real model's trainable parameters. Sharding follows Megatron-Core / MindFormers:
 the MLA down-projections (q_a, kv_a), norms and router are replicated across tensor parallelism; q_b, kv_b, o,
-the dense FFN, the shared expert and the vocabulary (embedding, head) are split by tp; routed experts are split
-by ep * etp; optimizer states are sharded over the data-parallel replicas of each parameter (ZeRO-1).
+GQA's q and o, the dense FFN, the shared expert and the vocabulary (embedding, head) are split by tp; GQA's k and
+v are split by KV head over tp, and where tp exceeds the KV heads each head is held by tp / kv ranks (its
+copies' gradients summed over tp, like the replicated weights'); routed experts are split by ep * etp; optimizer
+states are sharded over the data-parallel replicas of each parameter (ZeRO-1).
 """
 from __future__ import annotations
 
@@ -41,6 +48,35 @@ class ModelShape:
     device_aux_loss: bool = False  # the device-level balance loss is on (its statistics are summed over tp)
     z_loss: bool = False  # the router z-loss is on (likewise)
     expert_capacity_factor: float | None = None  # None: dropless (parallel/ep/capacity.py)
+    num_key_value_heads: int = 0  # GQA's KV heads (MHA: num_heads); 0 under MLA
+    head_dim: int = 0  # GQA's size of a query, key and value head; 0 under MLA
+
+    def __post_init__(self):
+        """The combinations the counts below assume, each refused with the field it names."""
+        if self.num_routed_experts == 0:
+            if self.first_k_dense != self.num_layers:
+                raise ValueError(f"first_k_dense: a dense model (num_routed_experts=0) has all {self.num_layers} "
+                                 f"layers dense, got first_k_dense={self.first_k_dense}")
+            if self.mtp_depth:  # an MTP depth is an MoE layer here; a dense one is not modelled
+                raise ValueError(f"mtp_depth: multi-token prediction of a dense model is not modelled, got "
+                                 f"{self.mtp_depth}")
+        if self.mla:
+            if self.num_key_value_heads or self.head_dim:
+                raise ValueError("num_key_value_heads: MLA (kv_lora_rank > 0) has no separate KV heads or head_dim")
+            return
+        if self.q_lora_rank:
+            raise ValueError(f"q_lora_rank: a low-rank q projection is MLA's and needs kv_lora_rank > 0, got "
+                             f"q_lora_rank={self.q_lora_rank}")
+        kv = self.num_key_value_heads
+        if kv < 1 or self.num_heads % kv:
+            raise ValueError(f"num_key_value_heads: GQA (kv_lora_rank=0) needs KV heads dividing the "
+                             f"{self.num_heads} query heads, got {kv}")
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim: GQA (kv_lora_rank=0) needs a positive head size, got {self.head_dim}")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -48,13 +84,24 @@ class ModelShape:
 
     @property
     def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+        """Per head: the size of a query and a key (their dot product), MLA's or GQA's."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.mla else self.head_dim
 
 
 # ---- parameters of one block ----------------------------------------------------------------------------
 def attention_params(s: ModelShape) -> dict[str, int]:
-    """MLA parameters split into what tp replicates and what it shards (latent norms count as attention)."""
+    """Attention parameters split into what tp replicates (norms included), what it shards by query head and, under
+    GQA, the k and v projections ('kv', sharded by KV head); 'norms' is the part of 'replicated' that is norm
+    weights (MLA's latent norms; GQA's per-head q and k norms, Qwen3's, when qk_layernorm is on)."""
     h, heads = s.hidden_size, s.num_heads
+    if not s.mla:
+        norms = 2 * s.head_dim * s.qk_layernorm
+        return {"replicated": norms, "sharded": 2 * h * heads * s.head_dim,
+                "kv": 2 * h * s.num_key_value_heads * s.head_dim, "norms": norms}
     latent_norms = s.kv_lora_rank * s.qk_layernorm
     if s.q_lora_rank > 0:
         replicated = h * s.q_lora_rank + h * (s.kv_lora_rank + s.qk_rope_head_dim)
@@ -64,7 +111,28 @@ def attention_params(s: ModelShape) -> dict[str, int]:
         replicated = h * (s.kv_lora_rank + s.qk_rope_head_dim)
         sharded = h * heads * s.qk_head_dim
     sharded += s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim) + heads * s.v_head_dim * h
-    return {"replicated": replicated + latent_norms, "sharded": sharded}
+    return {"replicated": replicated + latent_norms, "sharded": sharded, "kv": 0, "norms": latent_norms}
+
+
+def attention_total(s: ModelShape) -> int:
+    a = attention_params(s)
+    return a["replicated"] + a["sharded"] + a["kv"]
+
+
+def kv_heads_fit(s: ModelShape, tp):
+    """GQA's KV heads split evenly over tp, or tp is a multiple of them (each head then held by tp / kv ranks);
+    MLA has no KV heads to split (works on NumPy arrays)."""
+    kv = s.num_key_value_heads
+    return (kv % tp == 0) | (tp % kv == 0) if kv else np.ones_like(tp, dtype=bool)
+
+
+def kv_per_device(s: ModelShape, tp):
+    """(GQA's k and v parameters one device holds, of those the copies of heads replicated over tp ranks)."""
+    kv = attention_params(s)["kv"]
+    if not kv:
+        return 0, 0
+    held = kv / np.minimum(tp, s.num_key_value_heads)
+    return held, np.where(tp > s.num_key_value_heads, held, 0.0)
 
 
 def dense_ffn_params(s: ModelShape) -> int:
@@ -86,8 +154,7 @@ def router_params(s: ModelShape) -> int:
 
 def moe_layer_params(s: ModelShape) -> int:
     """One full MoE decoder layer: attention, MoE FFN and its two RMSNorms."""
-    a = attention_params(s)
-    return (a["replicated"] + a["sharded"] + router_params(s) + s.num_routed_experts * expert_params(s)
+    return (attention_total(s) + router_params(s) + s.num_routed_experts * expert_params(s)
             + shared_expert_params(s) + 2 * s.hidden_size)
 
 
@@ -100,11 +167,10 @@ def mtp_module_params(s: ModelShape) -> int:
 def parameter_breakdown(s: ModelShape) -> dict[str, int]:
     """Trainable parameters by part, plus total / active figures with and without MTP."""
     h = s.hidden_size
-    a = attention_params(s)
     head = 0 if s.tie_embeddings else s.vocab_size * h
     parts = {
         "embedding": s.vocab_size * h,
-        "attention": s.num_layers * (a["replicated"] + a["sharded"]),
+        "attention": s.num_layers * attention_total(s),
         "dense_ffn": s.first_k_dense * dense_ffn_params(s),
         "routed_experts": s.num_moe_layers * s.num_routed_experts * expert_params(s),
         "shared_experts": s.num_moe_layers * shared_expert_params(s),
@@ -124,15 +190,13 @@ def parameter_breakdown(s: ModelShape) -> dict[str, int]:
 
 # ---- FLOPs ----------------------------------------------------------------------------------------------
 def attention_projection_flops(s: ModelShape) -> int:
-    """Forward matmul FLOPs per token of the MLA projections (2 per multiply-add; norms ignored)."""
-    a = attention_params(s)
-    norms = s.kv_lora_rank * s.qk_layernorm + (s.q_lora_rank * s.qk_layernorm if s.q_lora_rank > 0 else 0)
-    return 2 * (a["replicated"] - norms + a["sharded"])
+    """Forward matmul FLOPs per token of the attention projections (2 per multiply-add; norms ignored)."""
+    return 2 * (attention_total(s) - attention_params(s)["norms"])
 
 
 def attention_core_flops(s: ModelShape, seq_length: int) -> float:
     """Forward FLOPs per token of QK^T and PV under a causal mask: on average a token attends to seq/2 keys."""
-    per_key = 2 * s.num_heads * (s.qk_head_dim + s.v_head_dim)
+    per_key = 2 * s.num_heads * (s.qk_head_dim + s.value_head_dim)
     return per_key * seq_length / 2
 
 
@@ -184,14 +248,16 @@ def block_parameters(s: ModelShape, tp, experts_split) -> dict:
     'moe_dense' is the attention, norms, router and shared expert of an MoE layer; 'moe_expert' its routed experts;
     'vocab' one vocabulary matrix (embedding or head); 'mtp_dense' / 'mtp_expert' one MTP depth without the head;
     '*_replicated': of the dense parameters of a dense layer, an MoE layer and an MTP depth, those replicated over
-    tp (MLA's down-projections and latent norms, the norms, the router; their gradients are summed over tp).
+    tp (MLA's down-projections and latent norms, the norms, the router, GQA's KV heads where tp exceeds them; their
+    gradients are summed over tp).
     """
     h = s.hidden_size
     a = attention_params(s)
-    attn = a["replicated"] + a["sharded"] / tp + 2 * h
+    kv_held, kv_copies = kv_per_device(s, tp)
+    attn = a["replicated"] + a["sharded"] / tp + kv_held + 2 * h
     moe_dense = attn + router_params(s) + shared_expert_params(s) / tp
     moe_expert = s.num_routed_experts * expert_params(s) / experts_split
-    replicated = a["replicated"] + 2 * h
+    replicated = a["replicated"] + kv_copies + 2 * h
     return {"dense_layer": attn + dense_ffn_params(s) / tp, "moe_dense": moe_dense, "moe_expert": moe_expert,
             "vocab": s.vocab_size * h / tp, "final_norm": h,
             "mtp_dense": 3 * h + 2 * h * h / tp + moe_dense, "mtp_expert": moe_expert,
@@ -229,17 +295,25 @@ def stage_parameters(s: ModelShape, layout: ParallelLayout,
     return out
 
 
+def master_copy_bytes(param_bytes: float, master_bytes: float | None = None) -> float:
+    """Bytes per parameter of the optimizer's master copy: as given, or by the mixed-precision convention an fp32
+    copy where the weights are stored below fp32 (weights in fp32 are their own master)."""
+    if master_bytes is not None:
+        return master_bytes
+    return 4 if param_bytes < 4 else 0
+
+
 def training_memory(s: ModelShape, layout: ParallelLayout, param_bytes: float, grad_bytes: float,
                     optimizer_bytes_per_param: float, shard_optimizer: bool,
-                    layers_per_stage: list[int] | None = None) -> dict:
+                    layers_per_stage: list[int] | None = None, master_bytes: float | None = None) -> dict:
     """Bytes per device for weights, gradients and optimizer states, for the heaviest pipeline stage.
 
-    `optimizer_bytes_per_param` is Adam's m and v (8 for fp32 states). Where parameters are stored below fp32,
-    a 4-byte fp32 master copy is added to the optimizer states. With `shard_optimizer`, optimizer states are
+    `optimizer_bytes_per_param` is Adam's m and v (8 for fp32 states). The master copy (`master_copy_bytes`) is
+    an optimizer state. With `shard_optimizer`, optimizer states are
     split over the dense data-parallel group (dp * cp) and the expert data-parallel group (edp); weights and
     gradients stay whole on every replica (ZeRO-1 / MindFormers' parallel optimizer without gradient sharding).
     """
-    opt_bytes = optimizer_bytes_per_param + (4 if param_bytes < 4 else 0)
+    opt_bytes = optimizer_bytes_per_param + master_copy_bytes(param_bytes, master_bytes)
     dense_shards = layout.dp * layout.cp if shard_optimizer else 1
     expert_shards = layout.edp if shard_optimizer else 1
     per_stage = []
@@ -251,3 +325,15 @@ def training_memory(s: ModelShape, layout: ParallelLayout, param_bytes: float, g
         per_stage.append(row)
     worst = max(range(len(per_stage)), key=lambda i: per_stage[i]["total"])
     return {**per_stage[worst], "stage": worst, "per_stage": per_stage}
+
+
+# ---- named shapes --------------------------------------------------------------------------------------------
+# TeleChat3-36B, the family's dense model. Given: 64 layers, hidden 6144, 48 query heads over 8 KV heads (GQA) of
+# head_dim 128, SwiGLU FFN 24576, vocabulary 131072, untied embedding and head. Assumed, as in Llama-style dense
+# decoders: no biases, no q/k norms, two RMSNorms per layer and a final one, no MTP; seq_length 8192 is only the
+# default a workload overrides.
+TELECHAT3_36B = ModelShape(
+    vocab_size=131072, hidden_size=6144, num_layers=64, first_k_dense=64, num_heads=48, q_lora_rank=0,
+    kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, dense_intermediate=24576,
+    moe_intermediate=0, shared_intermediate=0, num_routed_experts=0, num_shared_experts=0, top_k=0, mtp_depth=0,
+    seq_length=8192, qk_layernorm=False, num_key_value_heads=8, head_dim=128)

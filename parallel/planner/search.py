@@ -3,8 +3,9 @@
 Dimensions: tp, pp, vpp, ep, etp, micro-batch size, recompute, EP scheme, EP overlap; dp follows from the device
 count and the number of micro-batches from the global batch. A layout is dropped before scoring when it cannot
 exist (the rules of parallel.layout, evaluated on the arrays: divisibility, micro-batch counts, heads, experts,
-layers, tensor parallelism within a node), lies outside the space searched (expert TP wider than the dense TP) or
-is a duplicate (an EP scheme or overlap without EP, a hierarchical scheme inside one node).
+layers, tensor parallelism within a node; and GQA's KV heads, model_shape.kv_heads_fit), lies outside the space
+searched (expert TP wider than the dense TP) or is a duplicate (an EP scheme or overlap without EP, a hierarchical
+scheme inside one node, expert TP in a dense model, which has no experts: it searches ep = etp = 1).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, exp
                              global_batch_splits, heads_split, interleave_fills_stages, interleave_has_stages,
                              layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
 from parallel.planner.cost_model import Layouts, Workload, evaluate
+from parallel.planner.model_shape import kv_heads_fit
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class SearchSpace:
     ep_scheme: tuple[str, ...] = ("flat", "hierarchical")  # what the runtime implements; node_dedup on request
     ep_overlap: tuple[bool, ...] = (False, True)
     pp: tuple[int, ...] | None = None  # None: every divisor of the device count
-    ep: tuple[int, ...] | None = None  # None: every divisor of the routed-expert count
+    ep: tuple[int, ...] | None = None  # None: every divisor of the routed-expert count (1 for a dense model)
 
 
 def divisors(n: int) -> np.ndarray:
@@ -42,7 +44,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     """(all valid, distinct layouts; size of the raw product before pruning)."""
     s, n = w.shape, w.devices
     pp_values = np.array(space.pp) if space.pp else divisors(n)
-    ep_values = np.array(space.ep) if space.ep else divisors(s.num_routed_experts)
+    ep_values = np.array(space.ep) if space.ep else divisors(s.num_routed_experts or 1)
     axes = [np.array(space.tp), pp_values, np.array(space.vpp), ep_values, np.array(space.etp),
             np.array(space.mbs), np.array([RECOMPUTE.index(r) for r in space.recompute]),
             np.array([EP_SCHEMES.index(e) for e in space.ep_scheme]), np.array([int(o) for o in space.ep_overlap])]
@@ -51,6 +53,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     raw = tp.size
     dp = n // (tp * pp)  # cp is 1
     ok = fills_world(dp, tp, 1, pp, n) & tp_within_node(tp, w.cluster.devices_per_node) & heads_split(s, tp)
+    ok &= kv_heads_fit(s, tp)
     dp = np.where(ok, dp, 1)
     ok &= experts_fold_over_dense(dp, 1, tp, ep, etp) & experts_split(s, ep)
     ok &= etp <= tp  # the space searched: expert TP within the dense TP group
@@ -61,6 +64,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     # duplicates: EP options that change nothing
     ok &= (ep > 1) | ((scheme == 0) & (overlap == 0))
     ok &= (scheme == 0) | (ep * etp > w.cluster.devices_per_node)
+    ok &= (s.num_routed_experts > 0) | (etp == 1)
     keep = np.flatnonzero(ok)
     lay = Layouts(tp=tp[keep], pp=pp[keep], vpp=vpp[keep], dp=dp[keep], ep=ep[keep], etp=etp[keep],
                   mbs=mbs[keep], m=m[keep], recompute=rc[keep], ep_scheme=scheme[keep], ep_overlap=overlap[keep],
