@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from parallel.pipeline.placement import (Placement, PlacementError, PlacementOptions, Unit, balance,
-                                         equal_layer_split, evaluate, planner_units)
-from parallel.pipeline.schedules import build, validate
-from parallel.pipeline.simulator import simulate
+                                         equal_layer_split, evaluate, planner_units, step_period, step_terms)
+from parallel.pipeline.schedules import ChunkLayout, build, validate
+from parallel.pipeline.simulator import StageCosts, simulate
 from parallel.planner.cost_model import Layouts, StagePlan, block_costs, stage_time
 from precision.tolerance import tolerance
 
@@ -287,3 +287,47 @@ def test_105b_recipe_and_a_binding_memory_limit():
     assert max(got.stage_time) == pytest.approx(max(free.stage_time), rel=1e-9)
     with pytest.raises(PlacementError, match="memory_limit"):
         balance(units, 16, 2, PlacementOptions(memory_limit=sum(u.weight_memory for u in units) / 16), in_flight)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 7), (4, 8), (8, 16)])
+def test_step_terms_are_the_simulated_step_on_uniform_stages(p, m):
+    """The objective's step formulas against the event simulator, free communication: interleaved 1F1B exactly;
+    DualPipeV exactly when F = B (DeepSeek's published bubble) and one chunk forward shorter when B = 2F (the
+    simulator's timeline, tests/test_pipeline_schedules.py::test_dualpipev_bubble)."""
+    for name, chunk_layout in (("interleaved", ChunkLayout.INTERLEAVED), ("dualpipev", ChunkLayout.V)):
+        if name == "interleaved" and m % p:
+            continue
+        sched = build(name, p, 2, m)
+        assert sched.chunk_layout is chunk_layout
+        for f, b in ((1.0, 1.0), (1.0, 2.0)):  # per chunk
+            on_period, on_fwd, on_bwd = step_terms(chunk_layout, p, 2, m)
+            formula = (on_period * float(step_period(chunk_layout, np.full((p, 2), f + b)))
+                       + 2 * p * (on_fwd * f + on_bwd * b))
+            simulated = simulate(sched, StageCosts.uniform(p, 2, 2 * f, 2 * b)).step_time
+            shorter = f if chunk_layout is ChunkLayout.V and b != f else 0.0
+            assert simulated == pytest.approx(formula - shorter), (name, f, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_v_layout_puts_both_ends_on_stage_0(seed):
+    """balance and evaluate under DualPipeV's V: segment k on stage k (chunk 0) or 2p-1-k (chunk 1), so the
+    embedding and the head share stage 0; the MILP's period, the slowest stage, is brute force's under memory
+    limits too (MTP in the head's segment, as the default options keep it)."""
+    rng = random.Random(200 + seed)
+    units = random_chain(rng)
+    p, n = rng.choice([2, 3]), len(units)
+    in_flight = [[rng.randint(1, 4) for _ in range(2)] for _ in range(p)]
+    free = balance(units, p, 2, PlacementOptions(chunk_layout=ChunkLayout.V), in_flight)
+    assert free.location("embedding") == (0, 0) and free.location("mtp") == free.location("head") == (0, 1)
+    every = [evaluate(units, p, 2, [b - a for a, b in zip((0,) + cuts, cuts + (n,))], in_flight,
+                      chunk_layout=ChunkLayout.V)
+             for cuts in itertools.combinations(range(1, n - 1), 2 * p - 1)]  # the last cut at the MTP or before
+    for limit in (math.inf, 0.9 * max(free.stage_memory)):
+        best = min((max(pl.stage_time) for pl in every if max(pl.stage_memory) <= limit), default=math.inf)
+        if best == math.inf:
+            with pytest.raises(PlacementError, match="memory_limit"):
+                balance(units, p, 2, PlacementOptions(chunk_layout=ChunkLayout.V, memory_limit=limit), in_flight)
+            continue
+        got = balance(units, p, 2, PlacementOptions(chunk_layout=ChunkLayout.V, memory_limit=limit), in_flight)
+        assert max(got.stage_time) == pytest.approx(best, rel=1e-6)
+        assert max(got.stage_memory) <= limit * (1 + 1e-9)

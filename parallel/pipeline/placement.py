@@ -1,14 +1,15 @@
 """Place the model's units (embedding, dense layers, MoE layers, MTP, output head) on pipeline stages x chunks.
 
-The model is a chain of units cut into p*v contiguous segments; segment k is chunk k // p of stage k % p
-(Megatron/MindFormers interleaved order), so a stage's time is the sum of v non-adjacent segments. `balance`
-minimises the (interleaved) 1F1B period, then the slowest stage's time, under a per-stage memory limit exactly, as
-a mixed-integer program (scipy.optimize.milp / HiGHS); `equal_layer_split` is the naive split it is compared with.
-A unit may offer `choices` (its costs under each recompute mode): the MILP then also picks how many units of each
-segment run each choice. With the options the planner's cost model assumes (dense layers in the first segment,
-the chunks of a stage within one layer of each other, the step itself as the objective, memory over the schedule's
-held-micro-batch profiles) the same program gives the planner's layers and recompute per chunk
-(parallel.planner.stage_ilp).
+The model is a chain of units cut into p*v contiguous segments; segment k is the (stage, chunk) the schedule's
+chunk layout maps virtual stage k to (schedules.ChunkLayout: by default Megatron/MindFormers' interleaved order,
+chunk k // p of stage k % p; DualPipeV's V puts segments k and 2p-1-k on stage k), so a stage's time is the sum of
+v non-adjacent segments. `balance` minimises the schedule's steady-state period (`step_terms`), then the slowest
+stage's time, under a per-stage memory limit exactly, as a mixed-integer program (scipy.optimize.milp / HiGHS);
+`equal_layer_split` is the naive split it is compared with. A unit may offer `choices` (its costs under each
+recompute mode): the MILP then also picks how many units of each segment run each choice. With the options the
+planner's cost model assumes (dense layers in the first segment, the chunks of a stage within one layer of each
+other, the step itself as the objective, memory over the schedule's held-micro-batch profiles) the same program
+gives the planner's layers and recompute per chunk (parallel.planner.stage_ilp).
 
 Units carry plain numbers (seconds, bytes). `planner_units` takes them from the planner's cost model
 (parallel.planner.cost_model) for one layout on one cluster: per block forward and backward time with the TP
@@ -27,6 +28,7 @@ from oneline import InputError
 from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
                                          stage_parts)
+from parallel.pipeline.schedules import ChunkLayout
 from parallel.pipeline.simulator import StageCosts
 
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
@@ -75,9 +77,32 @@ class PlacementOptions:
     # with even_chunks: the first segment may hold the embedding alone and the last one the MTP and head alone (no
     # layer, and outside the one-layer spread), as Megatron's DeepSeek-V3 layouts place them
     bare_ends: bool = False
-    # minimise the (interleaved) 1F1B step of this many micro-batches, (m - 1/v) * period + work / v, instead of
-    # the period alone: the same placements unless recompute choices change the work
+    # minimise the step of this many micro-batches (`step_terms`) instead of the period alone: the same placements
+    # unless recompute choices change the work
     micro_batches: int | None = None
+    # which segment each (stage, chunk) holds, and so which schedule's step the objective is
+    chunk_layout: ChunkLayout = ChunkLayout.INTERLEAVED
+
+
+def step_terms(chunk_layout: ChunkLayout, stages: int, chunks: int, m: int) -> tuple[float, float, float]:
+    """The pipeline step of m micro-batches as period_weight * period + forward_weight * (forward work) +
+    backward_weight * (backward work), work summed over all stages and chunks; `step_period` says what the period is.
+    Interleaved 1F1B: in steady state every stage runs chunk 0, then chunk 1, ... of successive micro-batches in
+    lock-step, so the period is the sum over chunks of the slowest stage's chunk and filling / draining costs the
+    work spread over the chunks: (m - 1/v) * period + work / v. DualPipeV (the V layout): each stage runs one F0+B1
+    and one F1+B0 per micro-batch, so the period is the slowest stage's time (both chunks), m of them, plus the
+    bubble DeepSeek publishes, (p-1)(F&B + B - 3W) per chunk pass taken with W = 0 and F&B = F + B (as
+    schedules.dualpipe_v runs it): (p-1)(F + 2B), the per-chunk F and B written as the work over its 2p chunks."""
+    if chunk_layout is ChunkLayout.V:
+        return float(m), (stages - 1) / (2 * stages), (stages - 1) / stages
+    return m - 1 / chunks, 1 / chunks, 1 / chunks
+
+
+def step_period(chunk_layout: ChunkLayout, time: np.ndarray) -> np.ndarray:
+    """`step_terms`' period of chunk times [..., stage, chunk]."""
+    if chunk_layout is ChunkLayout.V:
+        return time.sum(axis=-1).max(axis=-1)
+    return time.max(axis=-2).sum(axis=-1)
 
 
 @dataclass(frozen=True)
@@ -85,12 +110,13 @@ class Placement:
     stages: int
     chunks: int
     units: tuple[Unit, ...]
-    sizes: tuple[int, ...]  # units per segment, segment k = chunk k // p of stage k % p
+    sizes: tuple[int, ...]  # units per segment, segment k at chunk_layout.stage_and_chunk(stages, k)
     stage_time: tuple[float, ...]
     stage_memory: tuple[float, ...]  # peak bytes: fixed part + activations of the in-flight micro-batches
     stage_fixed_memory: tuple[float, ...]  # weights, gradients, optimizer states and the largest transient
     method: str
     gap: float = 0.0  # relative MIP gap where the solver stopped (0: proven optimal)
+    chunk_layout: ChunkLayout = ChunkLayout.INTERLEAVED
 
     @property
     def segments(self) -> list[tuple[Unit, ...]]:
@@ -101,7 +127,7 @@ class Placement:
         """(stage, chunk) of a unit."""
         for k, seg in enumerate(self.segments):
             if any(u.name == name for u in seg):
-                return k % self.stages, k // self.stages
+                return self.chunk_layout.stage_and_chunk(self.stages, k)
         raise KeyError(name)
 
     @property
@@ -113,7 +139,7 @@ class Placement:
         grids = {key: [[0.0] * self.chunks for _ in range(self.stages)]
                  for key in ("forward", "backward", "forward_comm", "backward_comm", "activation")}
         for k, seg in enumerate(self.segments):
-            s, c = k % self.stages, k // self.stages
+            s, c = self.chunk_layout.stage_and_chunk(self.stages, k)
             for u in seg:
                 grids["forward"][s][c] += u.forward - u.forward_comm
                 grids["backward"][s][c] += u.backward - u.backward_comm
@@ -127,7 +153,8 @@ class Placement:
         mean = sum(self.stage_time) / self.stages
         rows = []
         for s in range(self.stages):
-            parts = [_compact(self.segments[c * self.stages + s]) for c in range(self.chunks)]
+            parts = [_compact(self.segments[self.chunk_layout.virtual_stage(self.stages, s, c)])
+                     for c in range(self.chunks)]
             rows.append(f"stage {s:>2}: time {self.stage_time[s] / mean:5.3f} x mean  "
                         f"memory {self.stage_memory[s] / 2 ** 30:7.2f} GiB  " + " | ".join(parts))
         return "\n".join(rows)
@@ -164,7 +191,8 @@ def _profiles(stages: int, chunks: int, in_flight) -> tuple[np.ndarray, ...]:
     return tuple(arr[:, None, :])
 
 
-def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str = "given") -> Placement:
+def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str = "given",
+             chunk_layout: ChunkLayout = ChunkLayout.INTERLEAVED) -> Placement:
     """Stage times and memory of the placement that puts sizes[k] consecutive units into segment k."""
     units = tuple(units)
     sizes = tuple(int(x) for x in sizes)
@@ -178,7 +206,7 @@ def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str
     act = [[0.0] * len(rows) for rows in profiles]  # per stage and profile
     i = 0
     for k, size in enumerate(sizes):
-        s, c = k % stages, k // stages
+        s, c = chunk_layout.stage_and_chunk(stages, k)
         for u in units[i:i + size]:
             time[s] += u.time
             static[s] += u.weight_memory
@@ -188,7 +216,7 @@ def evaluate(units, stages: int, chunks: int, sizes, in_flight=None, method: str
         i += size
     fixed = tuple(a + b for a, b in zip(static, transient))
     return Placement(stages, chunks, units, sizes, tuple(time), tuple(f + max(a) for f, a in zip(fixed, act)), fixed,
-                     method)
+                     method, chunk_layout=chunk_layout)
 
 
 def _check_chain(units: tuple[Unit, ...], stages: int, chunks: int) -> None:
@@ -245,8 +273,8 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             tie_breaks: bool = True, prove: bool = True) -> Placement:
     """Exact placement under every stage's memory <= the limit, every segment non-empty, and the MTP options.
 
-    Objective, lexicographic: first the steady-state period of (interleaved) 1F1B, the sum over chunks of the
-    slowest stage's chunk (the planner's step formula: (m - 1/v) * sum_c max_s t[s, c] + work / v, the step itself
+    Objective, lexicographic: first the steady-state period of the schedule of `options.chunk_layout` (`step_terms`;
+    interleaved 1F1B: the sum over chunks of the slowest stage's chunk, DualPipeV: the slowest stage; the step itself
     with `options.micro_batches`), then the slowest chunk of any stage, then the slowest stage's time; for one chunk
     per stage all three are the slowest stage. Minimising only the slowest stage lets the chunks of a stage differ
     freely, and the interleaved step then pays each chunk's own maximum; the period alone cannot tell chunks split
@@ -271,6 +299,9 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     units = tuple(units)
     _check_chain(units, stages, chunks)
     n, segs = len(units), stages * chunks
+    v_shape = options.chunk_layout is ChunkLayout.V
+    where = [options.chunk_layout.stage_and_chunk(stages, k) for k in range(segs)]  # segment -> (stage, chunk)
+    on_stage = [[options.chunk_layout.virtual_stage(stages, s, c) for c in range(chunks)] for s in range(stages)]
     profiles = _profiles(stages, chunks, in_flight)
     runs = _runs(units)
     chosen = [r for r, (start, _) in enumerate(runs) if units[start].choices]  # runs whose units pick a choice
@@ -329,7 +360,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         z = var(np.inf, integer=False)
         floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the last pass
         largest = var(np.inf, integer=False)  # the slowest segment (chunk of a stage), the second pass's objective
-    chunk_max = [var(np.inf, integer=False) for _ in range(chunks)]
+    chunk_max = [] if v_shape else [var(np.inf, integer=False) for _ in range(chunks)]
     period = var(np.inf, integer=False)
 
     def holds(k: int, r: int) -> bool:
@@ -393,10 +424,12 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             rows.append(({offset: 1.0, in_run: -(runs[r][1] - 1.0)}, -np.inf, 0.0))
     for k in range(segs):  # every segment holds at least one unit, and at most its chunk's slowest time
         add([(1.0, at(k + 1, "pos")), (-1.0, at(k, "pos"))], 1.0, np.inf)
-        add(segment(k, "t") + [(-1.0, ({chunk_max[k // stages]: 1.0}, 0.0))], -np.inf, 0.0)
+        if not v_shape:
+            add(segment(k, "t") + [(-1.0, ({chunk_max[where[k][1]]: 1.0}, 0.0))], -np.inf, 0.0)
         if tie_breaks and chunks > 1:
             add(segment(k, "t") + [(-1.0, ({largest: 1.0}, 0.0))], -np.inf, 0.0)
-    rows.append(({period: 1.0, **{x: -1.0 for x in chunk_max}}, 0.0, 0.0))
+    if not v_shape:
+        rows.append(({period: 1.0, **{x: -1.0 for x in chunk_max}}, 0.0, 0.0))
     holding: dict[int, list[int]] = {}
 
     def containing(j: int) -> list[int]:
@@ -422,7 +455,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         least = np.array([min(x.transient for x in (u, *u.choices)) for u in units]) / mem_scale
         low = least.min()
         floors = [max(least[lo[k]:hi[k + 1]].min(), max(least[hi[k]:lo[k + 1]], default=low)) for k in range(segs)]
-        tr_low = [max(floors[s::stages]) if chosen else low for s in range(stages)]
+        tr_low = [max(floors[k] for k in on_stage[s]) if chosen else low for s in range(stages)]
         tr = [var(np.inf, integer=False) for _ in range(stages)]
         for x, floor_s in zip(tr, tr_low):
             rows.append(({x: 1.0}, floor_s, np.inf))
@@ -435,10 +468,10 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
                 covers = {x: 1.0 for x in first[:k + 1]}
                 for x in last[:k]:
                     covers[x] = covers.get(x, 0.0) - 1.0
-                add([(1.0, ({tr[k % stages]: 1.0}, 0.0)), (-tau[start], (covers, 0.0))], 0.0, np.inf)
+                add([(1.0, ({tr[where[k][0]]: 1.0}, 0.0)), (-tau[start], (covers, 0.0))], 0.0, np.inf)
         for r in chosen:  # a choice present on a stage raises its transient
             for s in range(stages):
-                ks = [k for k in range(s, segs, stages) if (k, r) in picks]
+                ks = [k for k in on_stage[s] if (k, r) in picks]
                 for i, c in enumerate(units[runs[r][0]].choices):
                     if ks and c.transient / mem_scale > tr_low[s]:
                         present = var(1.0)
@@ -446,9 +479,11 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
                                      0.0))
                         rows.append(({tr[s]: 1.0, present: -c.transient / mem_scale}, 0.0, np.inf))
     for s in range(stages):
-        ks = [c * stages + s for c in range(chunks)]
+        ks = on_stage[s]  # in chunk order, as the profiles' columns
+        stage_time = [term for k in ks for term in segment(k, "t")]
+        if v_shape:
+            add(stage_time + [(-1.0, ({period: 1.0}, 0.0))], -np.inf, 0.0)
         if tie_breaks:
-            stage_time = [term for k in ks for term in segment(k, "t")]
             add(stage_time + [(-1.0, ({z: 1.0}, 0.0))], -np.inf, 0.0)
             add(stage_time + [(-1.0, ({floor: 1.0}, 0.0))], 0.0, np.inf)
         for held in profiles[s] if limited else ():
@@ -461,7 +496,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         if options.mtp_apart_from_head:  # the head's stage p-1 holds no MTP
             for j in mtps:
                 g = containing(j)
-                for k in range(stages - 1, segs, stages):
+                for k in on_stage[where[segs - 1][0]]:
                     upper[g[k]] = 0.0
         elif segs > 1 and max(sum(runs[r]) for r in cut_vars[segs - 1]) > min(mtps):
             add([(1.0, at(segs - 1, "pos"))], -np.inf, float(min(mtps)))  # MTP in the head's segment, the last one
@@ -474,18 +509,22 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     if options.even_chunks:
         for s in range(stages):
             q = var(np.inf)  # the fewest layers of the stage's chunks (but an end's)
-            for k in range(s, segs, stages):
+            for k in on_stage[s]:
                 layers = [(1.0, at(k + 1, "layers")), (-1.0, at(k, "layers"))]
                 end = bare and k in (0, segs - 1)
                 add(layers, 0.0 if end else 1.0, np.inf)
                 add(layers + [(-1.0, ({q: 1.0}, 0.0))], -np.inf if end or k == segs - 1 else 0.0, 1.0)
     goal = period
-    if options.micro_batches:  # the step: (m - 1/v) * period + work / v
+    if options.micro_batches:  # the step: step_terms' weights on the period, forward and backward work
         goal = var(np.inf, integer=False)
-        work = {x: -c.time / t_scale / chunks for (_, r), xs in picks.items()
-                for x, c in zip(xs, units[runs[r][0]].choices)}
-        fixed_work = float(prefix["t"][n]) / chunks
-        rows.append(({goal: 1.0, period: -(options.micro_batches - 1.0 / chunks), **work}, fixed_work, fixed_work))
+        on_period, on_fwd, on_bwd = step_terms(options.chunk_layout, stages, chunks, options.micro_batches)
+
+        def work(u: Unit) -> float:
+            return (on_fwd * u.forward + on_bwd * u.backward) / t_scale
+
+        picked = {x: -work(c) for (_, r), xs in picks.items() for x, c in zip(xs, units[runs[r][0]].choices)}
+        fixed_work = sum(work(u) for u, f in zip(units, fixed) if f)
+        rows.append(({goal: 1.0, period: -on_period, **picked}, fixed_work, fixed_work))
 
     nv = len(upper)
     mat = lil_matrix((len(rows), nv))
@@ -533,7 +572,7 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
             return sum(coef * (c0 + sum(c * xi[j] for j, c in expr.items())) for coef, (expr, c0) in terms)
 
         seg = [value(segment(k, "t")) for k in range(segs)]
-        got = max(seg) if target == largest else max(sum(seg[s::stages]) for s in range(stages))
+        got = max(seg) if target == largest else max(sum(seg[k] for k in ks) for ks in on_stage)
         return max(float(x[target]), got)
 
     bound = np.array(upper)
@@ -566,8 +605,8 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         start, length = runs[r]
         first, end = max(cuts[k], start), min(cuts[k + 1], start + length)
         placed[first:end] = [c for j, c in zip(xs, units[start].choices) for _ in range(int(x[j]))]
-    return dataclasses.replace(evaluate(placed, stages, chunks, np.diff(cuts), profiles, method="balanced (MILP)"),
-                               gap=stopped_at)
+    return dataclasses.replace(evaluate(placed, stages, chunks, np.diff(cuts), profiles, method="balanced (MILP)",
+                                        chunk_layout=options.chunk_layout), gap=stopped_at)
 
 
 # ---- units from the planner's cost model ---------------------------------------------------------------------------

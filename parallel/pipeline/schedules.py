@@ -40,6 +40,18 @@ class ChunkLayout(str, Enum):
     INTERLEAVED = "interleaved"  # every chunk runs down the stages: virtual stage c * p + s
     V = "v"  # even chunks run down the stages, odd chunks back up: stage p-1 hands each turn to itself
 
+    def _upward(self, chunk: int) -> bool:
+        return self is ChunkLayout.V and chunk % 2 == 1
+
+    def virtual_stage(self, stages: int, stage: int, chunk: int) -> int:
+        """The slice of the model that `chunk` of `stage` holds, with `stages` stages."""
+        return chunk * stages + (stages - 1 - stage if self._upward(chunk) else stage)
+
+    def stage_and_chunk(self, stages: int, k: int) -> tuple[int, int]:
+        """The (stage, chunk) that holds virtual stage k: the inverse of `virtual_stage`."""
+        chunk, offset = divmod(k, stages)
+        return (stages - 1 - offset if self._upward(chunk) else offset), chunk
+
 
 class ScheduleError(InputError):
     """A schedule that cannot run; the message names the stage and action."""
@@ -59,17 +71,13 @@ class Schedule:
     # Which slice of the model each (stage, chunk) holds: ask `virtual_stage` and `stage_and_chunk`.
     chunk_layout: ChunkLayout = ChunkLayout.INTERLEAVED
 
-    def _upward(self, chunk: int) -> bool:
-        return self.chunk_layout is ChunkLayout.V and chunk % 2 == 1
-
     def virtual_stage(self, stage: int, chunk: int) -> int:
         """The slice of the model that `chunk` of `stage` holds."""
-        return chunk * self.stages + (self.stages - 1 - stage if self._upward(chunk) else stage)
+        return self.chunk_layout.virtual_stage(self.stages, stage, chunk)
 
     def stage_and_chunk(self, k: int) -> tuple[int, int]:
         """The (stage, chunk) that holds virtual stage k: the inverse of `virtual_stage`."""
-        chunk, offset = divmod(k, self.stages)
-        return (self.stages - 1 - offset if self._upward(chunk) else offset), chunk
+        return self.chunk_layout.stage_and_chunk(self.stages, k)
 
     def slots(self, stage: int) -> list[tuple[Action, ...]]:
         """The stage's actions grouped into execution units: a fused (F, B) pair or a single action."""
@@ -182,7 +190,7 @@ def overlapped_1f1b(p: int, v: int, m: int) -> Schedule:
     two runs shifts by two passes from one stage to the next, so with v > 1 a pair holds two different chunks on
     some steps and one chunk (two micro-batches) on others: with p=4, v=2, 16 of the 32 steady-state pairs. Fusing
     only the pairs of different chunks was measured: 13-21% longer steps at v=2 and the DeepSeek-V3 check
-    (bench/planner_deepseek_v3.py, DualPipe approximated by this schedule) 23% below the published throughput,
+    (bench/planner_deepseek_v3.py when it approximated DualPipe by this schedule) 23% below the published throughput,
     because two passes of different micro-batches overlap as well whatever their chunk. Pairing different chunks
     at every step needs DualPipeV's V-shaped layer layout, not the interleaved one."""
     _check_microbatch_groups(p, v, m, "the overlapped schedule")

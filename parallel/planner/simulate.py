@@ -2,8 +2,9 @@
 
 `pipeline_costs` turns a layout and a per-chunk layers/recompute assignment into per-(stage, chunk) forward and
 backward compute, in-pass communication and activation memory of one micro-batch: the form any pipeline
-simulator can consume. The embedding sits in chunk 0 of stage 0; head, loss and MTP in the last chunk of the
-last stage.
+simulator can consume. The embedding sits in the chunk holding the first virtual stage, head, loss and MTP in the
+one holding the last, as the schedule's ChunkLayout places them (interleaved: chunk 0 of stage 0 and the last
+chunk of the last stage; DualPipeV: both on stage 0).
 """
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallel.layout import ParallelLayout
-from parallel.pipeline.schedules import build
+from parallel.pipeline.schedules import ChunkLayout, build
 from parallel.pipeline.simulator import SimResult, StageCosts, simulate
 from parallel.planner.cost_model import (Layouts, Workload, block_costs, p2p_time, stage_memory, stage_parts,
                                          summarise, update_time)
-from parallel.planner.stage_ilp import StageAssignment, chunk_plans, even_assignment, schedule_name
+from parallel.planner.stage_ilp import StageAssignment, chunk_layout, chunk_plans, even_assignment, schedule_name
 
 
-def pipeline_costs(w: Workload, layout: ParallelLayout, a: StageAssignment) -> StageCosts:
+def pipeline_costs(w: Workload, layout: ParallelLayout, a: StageAssignment,
+                   chunks: ChunkLayout = ChunkLayout.INTERLEAVED) -> StageCosts:
     """Per-(stage, chunk) costs of one micro-batch: seconds and activation bytes."""
     pp, v = layout.pp, layout.vpp
     lay = Layouts.of(layout).take(np.zeros(pp * v, int))
-    st = chunk_plans(layout, [a])
+    st = chunk_plans(layout, [a], chunks)
     b = block_costs(w, lay)
     parts = stage_parts(w, b, st)
     act = stage_memory(w, lay, b, st)["activation_per_microbatch"]
@@ -44,13 +46,14 @@ class Simulation:
 def simulate_layout(w: Workload, layout: ParallelLayout, a: StageAssignment | None = None,
                     schedule: str | None = None) -> Simulation:
     """Step time and per-stage peak memory of one layout from the event-driven simulator."""
-    a = a or even_assignment(w, layout)
+    chunks = chunk_layout(layout, schedule)
+    a = a or even_assignment(w, layout, chunks)
     pp, v = layout.pp, layout.vpp
-    sim = simulate(build(schedule or schedule_name(layout), pp, v, layout.micro_batch_num),
-                   pipeline_costs(w, layout, a))
+    sim = simulate(build(schedule_name(layout, schedule), pp, v, layout.micro_batch_num),
+                   pipeline_costs(w, layout, a, chunks))
     lay = Layouts.of(layout).take(np.zeros(pp * v, int))
     b = block_costs(w, lay)
-    st = chunk_plans(layout, [a])
+    st = chunk_plans(layout, [a], chunks)
     mem = stage_memory(w, lay, b, st)
     parts = stage_parts(w, b, st)
     per_stage = lambda x: x.reshape(pp, v).sum(axis=1)  # noqa: E731
