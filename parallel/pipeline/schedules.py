@@ -190,7 +190,7 @@ def overlapped_1f1b(p: int, v: int, m: int) -> Schedule:
     two runs shifts by two passes from one stage to the next, so with v > 1 a pair holds two different chunks on
     some steps and one chunk (two micro-batches) on others: with p=4, v=2, 16 of the 32 steady-state pairs. Fusing
     only the pairs of different chunks was measured: 13-21% longer steps at v=2 and the DeepSeek-V3 check
-    (bench/planner_deepseek_v3.py when it approximated DualPipe by this schedule) 23% below the published throughput,
+    (bench/planner_published.py when it approximated DualPipe by this schedule) 23% below the published throughput,
     because two passes of different micro-batches overlap as well whatever their chunk. Pairing different chunks
     at every step needs DualPipeV's V-shaped layer layout, not the interleaved one."""
     _check_microbatch_groups(p, v, m, "the overlapped schedule")
