@@ -48,22 +48,10 @@ import numpy as np
 from parallel.layout import ParallelLayout, interleave_fills_stages, interleave_has_stages, layers_fill_chunks
 from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import Precision, Workload
-from parallel.planner.model_shape import TELECHAT3_36B, ModelShape, flops_per_token
+from parallel.planner.model_shape import DEEPSEEK_V3, LLAMA3_405B, TELECHAT3_36B, flops_per_token
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import solve_ilp
-
-DEEPSEEK_V3 = ModelShape(
-    vocab_size=129280, hidden_size=7168, num_layers=61, first_k_dense=3, num_heads=128, q_lora_rank=1536,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, dense_intermediate=18432,
-    moe_intermediate=2048, shared_intermediate=2048, num_routed_experts=256, num_shared_experts=1, top_k=8,
-    mtp_depth=1, seq_length=4096, topk_group=4)
-
-LLAMA3_405B = ModelShape(
-    vocab_size=128256, hidden_size=16384, num_layers=126, first_k_dense=126, num_heads=128, q_lora_rank=0,
-    kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, dense_intermediate=53248,
-    moe_intermediate=0, shared_intermediate=0, num_routed_experts=0, num_shared_experts=0, top_k=0, mtp_depth=0,
-    seq_length=8192, qk_layernorm=False, num_key_value_heads=8, head_dim=128)
 
 MIXED = Precision(matmul_dtype="bf16", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=8)
 

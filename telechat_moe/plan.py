@@ -2,13 +2,17 @@
 
 Scores every valid layout of the recipe's model on the cluster, balances the best by ILP, prints the top ones,
 and optionally writes the pick into a recipe (`--write`), draws step time against memory (`--png`), or scores one
-given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`). `--export-mindformers OUT.yaml` scores the `--evaluate` layout,
-or else the recipe's own, and writes its pipeline plan as MindFormers' recipe keys
+given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`, optionally under a pipeline `schedule=`). Layouts of two chunks per
+stage are also balanced under DualPipeV, whose plans are shown but not written (neither MindFormers nor the
+trainer runs it). `--model NAME` plans a named planner shape (model_shape.NAMED_SHAPES: dense, GQA and published
+models) in place of the recipe's model, under the recipe's training settings. `--export-mindformers OUT.yaml`
+scores the `--evaluate` layout, or else the recipe's own, and writes its pipeline plan as MindFormers' recipe keys
 (parallel.pipeline.mindformers_export). Bad input: one line on stderr, exit code 2. It reads recipes, so it lives
 on the application's side of the planner library (parallel.planner), which knows no recipe.
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import time
@@ -19,18 +23,26 @@ import yaml
 from oneline import InputError, OneLineParser
 from parallel.layout import EP_SCHEMES, RECOMPUTE, LayoutError, ParallelLayout, check_model_fit, global_batch_splits
 from parallel.planner.cost_model import Layouts, Workload, evaluate
+from parallel.planner.model_shape import NAMED_SHAPES
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
 from parallel.pipeline.mindformers_export import export
 from parallel.pipeline.placement import Placement, PlacementOptions, balance, planner_units
+from parallel.pipeline.schedules import ScheduleError, build
 from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_atomically, write_recipe
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
-from parallel.planner.stage_ilp import even_assignment, held_profiles, schedule_name, score_assignment, solve_ilp
+from parallel.planner.stage_ilp import (chunk_layout, even_assignment, held_profiles, schedule_name, score_assignment,
+                                       solve_ilp)
 from telechat_moe.recipe import RecipeError, find_recipe, layout_error_text, load_recipe
 from telechat_moe.workload import memory_limit, recipe_ep_scheme, recipe_layout, recipe_workload
 
 PROG = "python -m telechat_moe.plan"
-EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap")
+EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap", "schedule")
+# The pipeline schedules the planner balances and prices (placement.step_terms); gpipe only runs in the trainer.
+EVALUATE_SCHEDULES = ("1f1b", "interleaved", "overlapped", "dualpipev")
+# What the trainer's pipeline runs (pipeline_step: parallel_config.pipeline_scheduler 1f1b, interleaved when
+# pp_interleave_num > 1, or gpipe) and so what a written recipe can hold.
+TRAINER_SCHEDULES = ("1f1b", "interleaved")
 
 
 class PlanError(InputError):
@@ -45,14 +57,20 @@ def read_recipe(path: str):
         raise PlanError(str(e)) from None
 
 
-def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
-    """`tp=8,pp=16,...` into a layout; dp and m follow from devices and global batch when not given."""
+def evaluate_items(text: str) -> dict[str, str]:
+    """`tp=8,pp=16,...` as {key: value}."""
     given = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in EVALUATE_KEYS:
             raise PlanError(f"--evaluate: {item!r} is not key=value with key in {', '.join(EVALUATE_KEYS)}")
         given[key] = value.strip()
+    return given
+
+
+def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
+    """`tp=8,pp=16,...` into a layout; dp and m follow from devices and global batch when not given."""
+    given = evaluate_items(text)
     ints = {}
     for key in ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m"):
         if key in given:
@@ -92,7 +110,40 @@ def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
         check_model_fit(w.shape, tp, pp, layout.vpp, layout.ep, w.cluster.devices_per_node)
     except LayoutError as e:
         raise PlanError(f"--evaluate: {e.reason()}") from None
+    if not w.shape.num_routed_experts and (layout.ep > 1 or layout.etp > 1):  # ep divides zero experts
+        raise PlanError(f"--evaluate: ep={layout.ep},etp={layout.etp}: a dense model has no routed experts to split; "
+                        f"give ep=1,etp=1")
     return layout
+
+
+def parse_schedule(text: str, layout: ParallelLayout) -> str:
+    """`--evaluate`'s `schedule=` (default `schedule_name`'s) checked against its layout, each rule in the keys the
+    user gave."""
+    schedule = schedule_name(layout, evaluate_items(text).get("schedule"))
+    pp, vpp, m = layout.pp, layout.vpp, layout.micro_batch_num
+    if schedule not in EVALUATE_SCHEDULES:
+        raise PlanError(f"--evaluate: schedule expects one of {', '.join(EVALUATE_SCHEDULES)}, got {schedule!r}")
+    if schedule == "dualpipev" and vpp != 2:
+        raise PlanError(f"--evaluate: schedule=dualpipev runs 2 chunks per stage (a V), so vpp=2, got vpp={vpp}")
+    if schedule == "dualpipev" and m < 2 * pp:
+        raise PlanError(f"--evaluate: schedule=dualpipev needs m >= 2*pp = {2 * pp} micro-batches, got m={m}")
+    if schedule == "1f1b" and vpp > 1:
+        raise PlanError(f"--evaluate: schedule=1f1b runs one chunk per stage, got vpp={vpp}; use interleaved")
+    try:
+        build(schedule, pp, vpp, m)
+    except ScheduleError as e:  # the schedules' own rules, e.g. the overlapped one's micro-batch groups
+        raise PlanError(f"--evaluate: schedule={schedule}: {e}") from None
+    return schedule
+
+
+def check_writable(option: str, schedule: str) -> None:
+    """A written plan must run under the schedule it was balanced for: refuse the ones the trainer (TRAINER_SCHEDULES)
+    or, for MindFormers' keys, MindFormers cannot run (its export words 'overlapped' itself)."""
+    if schedule == "dualpipev" or (option == "--write" and schedule not in TRAINER_SCHEDULES):
+        mindformers = "MindFormers has no DualPipeV scheduler and " if schedule == "dualpipev" else ""
+        raise PlanError(f"{option}: the plan runs the {schedule} schedule; {mindformers}the trainer's pipeline runs "
+                        f"only gpipe, 1f1b and interleaved 1F1B (parallel_config.pipeline_scheduler, "
+                        f"pp_interleave_num); evaluate the layout with schedule=interleaved to write it")
 
 
 def own_layout(w: Workload, recipe) -> ParallelLayout:
@@ -104,12 +155,12 @@ def own_layout(w: Workload, recipe) -> ParallelLayout:
     return recipe_layout(recipe, w)
 
 
-def recipe_placement(recipe, w: Workload, layout: ParallelLayout) -> Placement:
+def recipe_placement(recipe, w: Workload, layout: ParallelLayout, schedule: str | None = None) -> Placement:
     """The placement MILP's cut of the model for `layout`, as the trainer makes it (pipeline_step.stage_plan: the
     planner's units, the step of the layout's micro-batches), here also under the recipe's device memory over the
     micro-batches its schedule holds."""
     options = PlacementOptions(micro_batches=layout.micro_batch_num, memory_limit=memory_limit(recipe, w))
-    held = held_profiles(layout.pp, layout.vpp, layout.micro_batch_num, schedule_name(layout))
+    held = held_profiles(layout.pp, layout.vpp, layout.micro_batch_num, schedule_name(layout, schedule))
     return balance(planner_units(w, layout, options), layout.pp, layout.vpp, options, held)
 
 
@@ -121,12 +172,12 @@ class _FlowLists(yaml.SafeDumper):
 _FlowLists.add_representer(list, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
 
 
-def write_mindformers(path: str, recipe, w: Workload, layout: ParallelLayout, command: str) -> None:
-    """The layout's pipeline plan as MindFormers' recipe keys, in a YAML file (atomically)."""
-    placement = recipe_placement(recipe, w, layout)
-    keys = export(placement, schedule_name(layout), layout.micro_batch_num, layout).recipe_keys()
+def write_mindformers(path: str, recipe, w: Workload, layout: ParallelLayout, schedule: str, command: str) -> None:
+    """The layout's pipeline plan under `schedule` as MindFormers' recipe keys, in a YAML file (atomically)."""
+    placement = recipe_placement(recipe, w, layout, schedule)
+    keys = export(placement, schedule, layout.micro_batch_num, layout).recipe_keys()
     header = [f"# Written by: {command}",
-              f"# MindFormers' pipeline keys for {recipe.name} at {layout_text(layout)}, {schedule_name(layout)} "
+              f"# MindFormers' pipeline keys for {recipe.name} at {layout_text(layout)}, {schedule} "
               f"schedule, on {w.cluster.name}; merge them into a MindFormers recipe.",
               "# Placement (the placement MILP, as the trainer cuts the model):",
               *(f"#   {line}" for line in placement.describe().splitlines())]
@@ -142,23 +193,26 @@ def progress(label: str):
     return report
 
 
-def run_evaluate(w: Workload, layout: ParallelLayout) -> list[Candidate]:
+def run_evaluate(w: Workload, layout: ParallelLayout, schedule: str) -> list[Candidate]:
     even = evaluate(w, Layouts.of(layout))
-    print(f"layout {layout_text(layout)}")
+    default = schedule_name(layout)
+    print(f"layout {layout_text(layout)}, {schedule} schedule")
+    if schedule != default:  # the search's analytic model knows the default schedule only
+        print(f"  (even split, analytic: the search's model, under the {default} schedule)")
     print(f"  even split, analytic   : step {even['step_time'][0]:.3f} s, {even['tokens_per_s_per_device'][0]:.1f} "
           f"tokens/s/device, MFU {100 * even['mfu'][0]:.1f}%, peak memory {even['memory'][0] / GIB:.1f} GiB "
           f"(usable {w.cluster.usable_memory / GIB:.1f}), bubble {100 * even['bubble'][0]:.1f}%")
-    sim = simulate_layout(w, layout, even_assignment(w, layout))
+    sim = simulate_layout(w, layout, even_assignment(w, layout, chunk_layout(layout, schedule)), schedule)
     print(f"  even split, simulated  : step {sim.step_time:.3f} s, bubble {100 * sim.result.bubble_ratio:.1f}%, "
           f"memory per stage (GiB) {[round(m / GIB, 1) for m in sim.memory_per_stage]}")
-    a = solve_ilp(w, layout)
+    a = solve_ilp(w, layout, schedule=schedule)
     if a is None:
         print("  ILP: no layers/recompute assignment fits in memory")
         return []
-    analytic = score_assignment(w, layout, a)
-    sim = simulate_layout(w, layout, a)
+    analytic = score_assignment(w, layout, a, schedule)
+    sim = simulate_layout(w, layout, a, schedule)
     c = Candidate(layout, a, {**sim.scores, "analytic_step_time": analytic["step_time"],
-                              "memory_per_stage": sim.memory_per_stage})
+                              "memory_per_stage": sim.memory_per_stage}, schedule)
     print(f"  ILP-balanced, analytic : step {analytic['step_time']:.3f} s\n"
           f"  ILP-balanced, simulated: step {sim.step_time:.3f} s, {sim.scores['tokens_per_s_per_device']:.1f} "
           f"tokens/s/device, MFU {100 * sim.scores['mfu']:.1f}%, peak memory {sim.scores['memory'] / GIB:.1f} GiB, "
@@ -190,6 +244,8 @@ def run_search(w: Workload, space: SearchSpace, top: int):
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="recipe file (1t.yaml finds recipes/1t.yaml)")
+    parser.add_argument("--model", help=f"plan this model instead of the recipe's, under the recipe's training "
+                                        f"settings: {', '.join(NAMED_SHAPES)}")
     parser.add_argument("--devices", type=int, help="device count (default: the recipe's layout)")
     parser.add_argument("--cluster", default="ascend910b", help="cluster name or YAML path (default ascend910b)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the recipe's)")
@@ -199,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "moments=fp32,activations=bf16 (default: the recipe's dtypes)")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     parser.add_argument("--write", help="write the best layout into this recipe file (inherits --recipe)")
-    parser.add_argument("--evaluate", help="score one layout, e.g. tp=8,pp=16,vpp=2,ep=32,mbs=1,recompute=full")
+    parser.add_argument("--evaluate", help="score one layout, e.g. tp=8,pp=16,vpp=2,ep=32,mbs=1,recompute=full; "
+                                           f"schedule= one of {', '.join(EVALUATE_SCHEDULES)} (default by vpp)")
     parser.add_argument("--png", help="draw step time against memory for the scored layouts")
     parser.add_argument("--export-mindformers", metavar="OUT.yaml",
                         help="write the pipeline plan of the --evaluate layout (default: the recipe's own) as "
@@ -210,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise PlanError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+        if args.model and args.model not in NAMED_SHAPES:
+            raise PlanError(f"--model: unknown model {args.model!r}; known: {', '.join(NAMED_SHAPES)}")
+        if args.model and args.write:
+            raise PlanError(f"--write: a recipe inheriting --recipe trains the recipe's model, not --model "
+                            f"{args.model}; write MindFormers' keys with --export-mindformers instead")
         recipe, recipe_path = read_recipe(args.recipe)
         for option, out in (("--write", args.write), ("--export-mindformers", args.export_mindformers)):
             if out and recipe_path.resolve() == Path(out).resolve():
@@ -217,19 +279,35 @@ def main(argv: list[str] | None = None) -> int:
         args.devices = args.devices or recipe.layout.world_size
         w = recipe_workload(recipe, args.cluster, args.devices, args.seq, args.global_batch, args.dtype,
                             args.precision)
-        print(f"model {recipe.name}: {w.shape.num_layers} layers, {w.shape.num_routed_experts} experts top-"
-              f"{w.shape.top_k}; {w.devices} x {w.cluster.name} ({w.cluster.usable_memory / GIB:.1f} GiB usable), "
+        if args.model:
+            w = dataclasses.replace(w, shape=dataclasses.replace(NAMED_SHAPES[args.model], seq_length=w.seq_length))
+        experts = (f"{w.shape.num_routed_experts} experts top-{w.shape.top_k}" if w.shape.num_routed_experts
+                   else "dense")
+        print(f"model {args.model or recipe.name}: {w.shape.num_layers} layers, {experts}; {w.devices} x "
+              f"{w.cluster.name} ({w.cluster.usable_memory / GIB:.1f} GiB usable), "
               f"seq {w.seq_length}, global batch {w.global_batch}, GEMMs in {w.precision.matmul_dtype}")
         command = f"{PROG} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
         if args.evaluate or args.export_mindformers:
-            layout = parse_layout(args.evaluate, w, recipe) if args.evaluate else own_layout(w, recipe)
-            candidates = run_evaluate(w, layout)
+            if args.evaluate:
+                layout = parse_layout(args.evaluate, w, recipe)
+                schedule = parse_schedule(args.evaluate, layout)
+            elif args.model:
+                raise PlanError(f"--export-mindformers: the recipe's layout is for its own model; give one for "
+                                f"--model {args.model} with --evaluate")
+            else:
+                layout = own_layout(w, recipe)
+                schedule = schedule_name(layout)
+            for option, out in (("--write", args.write), ("--export-mindformers", args.export_mindformers)):
+                if out:
+                    check_writable(option, schedule)
+            candidates = run_evaluate(w, layout, schedule)
             result = None
         else:
             result, candidates = run_search(w, SearchSpace(), args.top)
             print(table(candidates))
-            print(f"best: {layout_text(candidates[0].layout)}\n  {stage_text(candidates[0])}")
-            sim = simulate_layout(w, candidates[0].layout, candidates[0].assignment)
+            print(f"best: {layout_text(candidates[0].layout)}, {candidates[0].schedule} schedule\n"
+                  f"  {stage_text(candidates[0])}")
+            sim = simulate_layout(w, candidates[0].layout, candidates[0].assignment, candidates[0].schedule)
             print(f"  event-driven simulator on the best: step {sim.step_time:.3f} s, bubble "
                   f"{100 * sim.result.bubble_ratio:.1f}%, peak memory {max(sim.memory_per_stage) / GIB:.1f} GiB")
         if args.png and result is not None:
@@ -238,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             if not candidates:
                 raise PlanError("--write: nothing to write, no layout fits")
+            check_writable("--write", candidates[0].schedule)
             write_recipe(args.write, recipe_path, candidates[0], w, command)
             print(f"wrote {args.write}")
         if args.export_mindformers:
-            write_mindformers(args.export_mindformers, recipe, w, layout, command)
+            write_mindformers(args.export_mindformers, recipe, w, layout, schedule, command)
             print(f"wrote MindFormers' pipeline keys to {args.export_mindformers}")
     except (InputError, OSError) as e:
         print(f"telechat_moe.plan: {e}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """`python -m telechat_moe.plan`: a search that writes a loadable recipe and a picture, one-layout evaluation, and
 one-line errors with exit code 2 for bad input."""
+import os
 import re
 import subprocess
 import sys
@@ -71,6 +72,71 @@ def test_the_same_search_gives_the_same_plan_on_a_busy_machine():
     assert busy == quiet
     ranks = [int(line.split()[0]) for line in quiet if re.match(r"\s+\d+\s+\d+\s", line)]
     assert ranks == [1, 2, 3, 4, 5], "the top list comes back full"
+
+
+def test_a_named_dense_model_is_searched_under_the_recipes_training_settings(capsys):
+    """--model swaps the recipe's model for a named planner shape (TeleChat3-36B, dense GQA): the search scores only
+    ep=1 layouts and lists a full top."""
+    assert main(["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048", "--seq", "8192",
+                 "--global-batch", "1024", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("model telechat3-36b: 64 layers, dense; 2048 x ascend910b")
+    rows = [line.split() for line in text.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    assert all(r[5] == "1" for r in rows), "ep=1 on a dense model"
+
+
+def test_a_named_dense_model_scores_its_published_layout(capsys):
+    assert main(["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048",
+                 "--evaluate", "tp=8,pp=2,dp=128"]) == 0
+    text = capsys.readouterr().out
+    assert "layout tp=8,pp=2,vpp=1,dp=128,ep=1" in text and ", 1f1b schedule" in text
+    assert "ILP-balanced, simulated" in text
+
+
+def test_deepseek_v3_on_dualpipev(capsys):
+    """DeepSeek-V3's published layout under DualPipeV (bench.planner_published's run, from the command line): the
+    V is balanced and simulated, and beats the interleaved schedule on the same layout."""
+    base = ["--recipe", "1t", "--model", "deepseek-v3", "--cluster", "h800", "--dtype", "fp8", "--seq", "4096",
+            "--devices", "2048", "--global-batch", "16384", "--evaluate",
+            "tp=1,pp=16,vpp=2,ep=64,recompute=selective,ep_scheme=node_dedup,ep_overlap=1"]
+    steps = {}
+    for schedule in ("dualpipev", "interleaved"):
+        assert main(base[:-1] + [base[-1] + f",schedule={schedule}"]) == 0
+        text = capsys.readouterr().out
+        assert f", {schedule} schedule" in text
+        steps[schedule] = float(re.search(r"ILP-balanced, simulated: step ([\d.]+) s", text).group(1))
+    assert steps["dualpipev"] < steps["interleaved"]
+
+
+DEEPSEEK = ["--recipe", "1t", "--model", "deepseek-v3", "--devices", "2048"]
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--recipe", "1t", "--model", "gpt-5"], "--model: unknown model 'gpt-5'; known: telechat3-36b, deepseek-v3"),
+    (DEEPSEEK + ["--evaluate", "tp=3"], "tp*pp = 3 does not divide --devices 2048"),
+    (DEEPSEEK + ["--evaluate", "tp=1,pp=3"], "tp*pp = 3 does not divide --devices 2048"),
+    (["--recipe", "1t", "--model", "deepseek-v3", "--devices", "1536", "--global-batch", "1536", "--evaluate",
+      "tp=1,pp=16,ep=3"], "ep=3 does not divide the 256 routed experts"),
+    (DEEPSEEK + ["--evaluate", "tp=1,pp=8,vpp=4,ep=64,schedule=dualpipev"], "schedule=dualpipev runs 2 chunks"),
+    (DEEPSEEK + ["--evaluate", "tp=1,pp=16,vpp=2,ep=64,schedule=dualpipev"], "needs m >= 2*pp = 32"),
+    (DEEPSEEK + ["--evaluate", "tp=1,pp=16,vpp=2,ep=64,schedule=zigzag"], "schedule expects one of"),
+    (DEEPSEEK + ["--evaluate", "tp=1,pp=16,vpp=2,ep=64,schedule=1f1b"], "schedule=1f1b runs one chunk per stage"),
+    (DEEPSEEK + ["--write", "out.yaml"], "--write: a recipe inheriting --recipe trains the recipe's model"),
+    (DEEPSEEK + ["--global-batch", "4096", "--evaluate", "tp=1,pp=16,vpp=2,ep=64,schedule=dualpipev",
+                 "--export-mindformers", "out.yaml"], "MindFormers has no DualPipeV scheduler"),
+    (["--recipe", "1t", "--devices", "4096", "--evaluate", "tp=4,pp=16,vpp=2,ep=4,etp=4,m=32,schedule=dualpipev",
+      "--write", "out.yaml"], "--write: the plan runs the dualpipev schedule"),
+    (["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048", "--evaluate", "tp=8,pp=2,ep=8"],
+     "a dense model has no routed experts"),
+])
+def test_bad_model_and_schedule_input_is_one_line_and_exit_code_2(args, expect, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "telechat_moe.plan", *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], r.stderr
+    assert not (tmp_path / "out.yaml").exists()
 
 
 @pytest.mark.parametrize("args, expect", [

@@ -7,7 +7,9 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import Layouts, Workload
+from parallel.planner.refine import balance_and_simulate, refine, schedules_for
 from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
+from parallel.planner.stage_ilp import assess, score_assignment, solve_ilp
 from telechat_moe.recipe import load_recipe
 from tests.test_planner_model_shape import TELECHAT3_105B
 
@@ -70,3 +72,31 @@ def test_ranking_puts_the_fastest_fitting_layout_first(devices):
     assert len(order)
     # the first fitting layout is at least as fast as every other fitting one
     assert r.scores["step_time"][order[0]] == r.scores["step_time"][r.scores["fits"].astype(bool)].min()
+
+
+def test_refine_keeps_each_layout_under_its_faster_schedule():
+    """A vpp=2 layout with m >= 2p is balanced under interleaved 1F1B and DualPipeV and listed under the one the
+    simulator finds faster; others only under their default."""
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+    result = search(w, SearchSpace(tp=(8,), pp=(4, 8), vpp=(1, 2), ep_overlap=(True,)))
+    candidates = refine(w, result, top=4)
+    assert candidates and any(schedules_for(c.layout) == ("interleaved", "dualpipev") for c in candidates)
+    for c in candidates:
+        others = [balance_and_simulate(w, c.layout, s) for s in schedules_for(c.layout) if s != c.schedule]
+        assert c.schedule in schedules_for(c.layout)
+        assert all(o is None or c.scores["step_time"] <= o.scores["step_time"] * (1 + 1e-9) for o in others)
+
+
+def test_score_assignment_follows_the_schedule():
+    """The default schedule's score is the interleaved one's; under DualPipeV it prices the V's own assignment: its
+    memory per stage is the ILP's (assess) under the V, and its step at least the ILP objective (sends added)."""
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+    lay = ParallelLayout(dp=4, tp=8, pp=8, vpp=2, ep=4, sp=True, micro_batch_num=128, devices_per_node=8,
+                         recompute="full")
+    a = solve_ilp(w, lay)
+    assert score_assignment(w, lay, a) == score_assignment(w, lay, a, "interleaved")
+    v = solve_ilp(w, lay, schedule="dualpipev")
+    score = score_assignment(w, lay, v, "dualpipev")
+    assert score["memory_per_stage"] == pytest.approx(list(assess(w, lay, [v], "dualpipev")["memory"][0]))
+    assert score["step_time"] > v.objective
+    assert score != score_assignment(w, lay, v)

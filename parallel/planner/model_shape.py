@@ -337,3 +337,22 @@ TELECHAT3_36B = ModelShape(
     kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, dense_intermediate=24576,
     moe_intermediate=0, shared_intermediate=0, num_routed_experts=0, num_shared_experts=0, top_k=0, mtp_depth=0,
     seq_length=8192, qk_layernorm=False, num_key_value_heads=8, head_dim=128)
+
+# DeepSeek-V3 (arXiv:2412.19437; the config of deepseek-ai/DeepSeek-V3): 61 layers, the first 3 dense, MLA, 256
+# routed experts top-8 in at most 4 groups, one shared expert, one MTP depth; seq_length 4096 as pre-trained.
+DEEPSEEK_V3 = ModelShape(
+    vocab_size=129280, hidden_size=7168, num_layers=61, first_k_dense=3, num_heads=128, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, dense_intermediate=18432,
+    moe_intermediate=2048, shared_intermediate=2048, num_routed_experts=256, num_shared_experts=1, top_k=8,
+    mtp_depth=1, seq_length=4096, topk_group=4)
+
+# Llama 3 405B (arXiv:2407.21783): 126 dense layers, hidden 16384, 128 query heads over 8 KV heads of 128, FFN
+# 53248, vocabulary 128256; seq_length 8192 as pre-trained.
+LLAMA3_405B = ModelShape(
+    vocab_size=128256, hidden_size=16384, num_layers=126, first_k_dense=126, num_heads=128, q_lora_rank=0,
+    kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, dense_intermediate=53248,
+    moe_intermediate=0, shared_intermediate=0, num_routed_experts=0, num_shared_experts=0, top_k=0, mtp_depth=0,
+    seq_length=8192, qk_layernorm=False, num_key_value_heads=8, head_dim=128)
+
+# The shapes the planner CLI's --model names.
+NAMED_SHAPES = {"telechat3-36b": TELECHAT3_36B, "deepseek-v3": DEEPSEEK_V3, "llama3-405b": LLAMA3_405B}

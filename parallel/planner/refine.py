@@ -11,7 +11,7 @@ from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.planner.cost_model import Workload
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
-from parallel.planner.stage_ilp import StageAssignment, score_assignment, solve_ilp
+from parallel.planner.stage_ilp import StageAssignment, schedule_name, score_assignment, solve_ilp
 
 NEAR_FIT = 1.3  # layouts up to this multiple of the memory limit may still fit once the ILP re-balances them
 
@@ -21,14 +21,41 @@ class Candidate:
     layout: ParallelLayout
     assignment: StageAssignment
     scores: dict
+    schedule: str  # the pipeline schedule the assignment was balanced and simulated under (schedules.SCHEDULES)
+
+
+def schedules_for(layout: ParallelLayout) -> tuple[str, ...]:
+    """The schedules `refine` balances a layout under: its default (1F1B, interleaved with virtual chunks), and
+    DualPipeV where the layout can run it: two chunks per stage (its V), at least 2p micro-batches, and more than
+    one stage (a V needs stages to turn at)."""
+    default = schedule_name(layout)
+    v_fits = layout.vpp == 2 and layout.pp > 1 and layout.micro_batch_num >= 2 * layout.pp
+    return (default, "dualpipev") if v_fits else (default,)
+
+
+def balance_and_simulate(w: Workload, layout: ParallelLayout, schedule: str) -> Candidate | None:
+    """`layout` balanced by ILP under `schedule`, its recompute the mode most layers got, checked by the
+    event-driven simulator; None when no assignment fits."""
+    a = solve_ilp(w, layout, schedule=schedule)
+    if a is None:
+        return None
+    counts = [sum(a.recompute_per_stage(r)) for r in range(len(RECOMPUTE))]
+    layout = dataclasses.replace(layout, recompute=RECOMPUTE[int(np.argmax(counts))])
+    sim = simulate_layout(w, layout, a, schedule)
+    if sim.scores["memory"] > w.cluster.usable_memory:
+        return None
+    analytic = score_assignment(w, layout, a, schedule)
+    scores = {**sim.scores, "analytic_step_time": analytic["step_time"], "memory_per_stage": sim.memory_per_stage}
+    return Candidate(layout, a, scores, schedule)
 
 
 def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = None, progress=None) -> list[Candidate]:
     """Balance the best `pool` distinct layouts per chunk by ILP (recompute is re-chosen per chunk, so layouts
     that differ only in their uniform recompute collapse into one), check each with the event-driven simulator,
     and return the `top` by simulated step time; where some of the pool do not fit once balanced, the next layouts
-    in the search's order are balanced too, until `top` fit or none are left. Scores are the simulator's;
-    'analytic_step_time' is the ILP's model of the same assignment."""
+    in the search's order are balanced too, until `top` fit or none are left. A layout DualPipeV can run is
+    balanced under it as well and kept under whichever schedule simulates faster (`schedules_for`). Scores are the
+    simulator's; 'analytic_step_time' is the ILP's model of the same assignment."""
     pool = pool or max(top + 2, 6)
     sc, lay = result.scores, result.layouts
     near = np.flatnonzero(sc["memory"] <= NEAR_FIT * w.cluster.usable_memory)
@@ -43,19 +70,11 @@ def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = 
         if tried >= pool and len(out) >= top:
             break
         tried += 1
-        a = solve_ilp(w, row)
+        balanced = [c for c in (balance_and_simulate(w, row, name) for name in schedules_for(row)) if c]
         if progress:
             progress(tried, max(pool, tried))
-        if a is None:
-            continue
-        counts = [sum(a.recompute_per_stage(r)) for r in range(len(RECOMPUTE))]
-        row = dataclasses.replace(row, recompute=RECOMPUTE[int(np.argmax(counts))])
-        sim = simulate_layout(w, row, a)
-        if sim.scores["memory"] > w.cluster.usable_memory:
-            continue
-        analytic = score_assignment(w, row, a)
-        scores = {**sim.scores, "analytic_step_time": analytic["step_time"], "memory_per_stage": sim.memory_per_stage}
-        out.append(Candidate(row, a, scores))
+        if balanced:
+            out.append(min(balanced, key=lambda c: c.scores["step_time"]))
     out.sort(key=lambda c: c.scores["step_time"])
     return out[:top]
 

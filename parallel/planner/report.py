@@ -27,13 +27,14 @@ def layout_text(layout: ParallelLayout) -> str:
 
 def table(candidates: list[Candidate]) -> str:
     head = (f"{'#':>3} " + " ".join(f"{c:>4}" for c in COLUMNS) + f" {'recompute':>9} {'ep comm':>12} {'ovl':>3}"
-            f" {'step s':>8} {'tok/s/dev':>9} {'MFU':>6} {'mem GiB':>8} {'bubble':>6}")
+            f" {'schedule':>11} {'step s':>8} {'tok/s/dev':>9} {'MFU':>6} {'mem GiB':>8} {'bubble':>6}")
     lines = [head]
     for i, c in enumerate(candidates, 1):
         lay, sc = c.layout, c.scores
         lines.append(f"{i:>3} " + " ".join(f"{getattr(lay, name):>4}" for name in COLUMNS.values())
                      + f" {lay.recompute:>9} {lay.ep_scheme:>12} {int(lay.ep_overlap):>3}"
-                     f" {sc['step_time']:>8.3f} {sc['tokens_per_s_per_device']:>9.1f} {100 * sc['mfu']:>5.1f}%"
+                     f" {c.schedule:>11} {sc['step_time']:>8.3f} {sc['tokens_per_s_per_device']:>9.1f}"
+                     f" {100 * sc['mfu']:>5.1f}%"
                      f" {sc['memory'] / GIB:>8.1f} {100 * sc['bubble']:>5.1f}%")
     return "\n".join(lines)
 

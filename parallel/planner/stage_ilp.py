@@ -42,7 +42,7 @@ from parallel.pipeline.placement import (PlacementError, PlacementOptions, balan
                                          step_terms)
 from parallel.pipeline.schedules import ChunkLayout, Kind, build
 from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
-                                         stage_parts, step_time, summarise, update_time)
+                                         stage_parts, summarise, update_time)
 from parallel.planner.model_shape import even_layer_split
 
 MODES = len(RECOMPUTE)
@@ -154,17 +154,23 @@ def assess(w: Workload, layout: ParallelLayout, assignments: list[StageAssignmen
             "bwd": bwd.sum(axis=2), "chunk_time": t}
 
 
-def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment) -> dict:
-    """The cost model's full score of a layout under an assignment (pipeline, sends, exposed DP, optimizer)."""
-    r = assess(w, layout, [a])
+def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment, schedule: str | None = None) -> dict:
+    """The cost model's full score of a layout under an assignment and pipeline `schedule` (default
+    `schedule_name`'s): the schedule's step (`assess`' objective) plus its sends, a period's two per micro-batch
+    and the fill and drain's 2(p-1), as cost_model.step_time adds them to the interleaved step; then exposed DP
+    and the optimizer."""
+    r = assess(w, layout, [a], schedule)
     pp = layout.pp
     one = Layouts.of(layout)
     lay, chunks = one.take(np.zeros(pp, int)), one.take(np.zeros(pp * layout.vpp, int))
-    st = chunk_plans(layout, [a])
+    where = chunk_layout(layout, schedule)
+    st = chunk_plans(layout, [a], where)
     mem = stage_memory(w, chunks, block_costs(w, chunks), st)
     per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1) for k in ("dense_params", "expert_params", "replicated_params")}
     t = r["chunk_time"][0]
-    pipe = step_time(one.m, one.vpp, one.pp, t.max(axis=0).sum(), t.sum(), p2p_time(w, one))
+    on_period = step_terms(where, pp, layout.vpp, layout.micro_batch_num)[0]
+    p2p = p2p_time(w, one)
+    pipe = r["objective"] + 2 * p2p * on_period + 2 * (pp - 1) * p2p
     total = pipe + update_time(w, lay, per_stage, r["fwd"][0], r["bwd"][0]).max()
     scores = summarise(w, one, total, pipe, np.array([t.sum()]), np.array([r["memory"][0].max()]))
     out = {k: float(np.asarray(v).ravel()[0]) for k, v in scores.items()}
