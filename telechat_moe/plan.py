@@ -27,7 +27,7 @@ from parallel.planner.model_shape import NAMED_SHAPES
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
 from parallel.pipeline.mindformers_export import export
 from parallel.pipeline.placement import Placement, PlacementOptions, balance, planner_units
-from parallel.pipeline.schedules import ScheduleError, build
+from parallel.pipeline.schedules import ScheduleError, build, dualpipe_v_unfit
 from parallel.planner.report import GIB, layout_text, plot, stage_text, table, write_atomically, write_recipe
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
@@ -123,10 +123,9 @@ def parse_schedule(text: str, layout: ParallelLayout) -> str:
     pp, vpp, m = layout.pp, layout.vpp, layout.micro_batch_num
     if schedule not in EVALUATE_SCHEDULES:
         raise PlanError(f"--evaluate: schedule expects one of {', '.join(EVALUATE_SCHEDULES)}, got {schedule!r}")
-    if schedule == "dualpipev" and vpp != 2:
-        raise PlanError(f"--evaluate: schedule=dualpipev runs 2 chunks per stage (a V), so vpp=2, got vpp={vpp}")
-    if schedule == "dualpipev" and m < 2 * pp:
-        raise PlanError(f"--evaluate: schedule=dualpipev needs m >= 2*pp = {2 * pp} micro-batches, got m={m}")
+    unfit = dualpipe_v_unfit(pp, vpp, m, names={"p": "pp", "v": "vpp", "m": "m"}) if schedule == "dualpipev" else None
+    if unfit:
+        raise PlanError(f"--evaluate: schedule=dualpipev {unfit[1]}")
     if schedule == "1f1b" and vpp > 1:
         raise PlanError(f"--evaluate: schedule=1f1b runs one chunk per stage, got vpp={vpp}; use interleaved")
     try:

@@ -16,7 +16,8 @@ import os
 import pytest
 
 from parallel.pipeline.schedules import (Action, ChunkLayout, Kind, Schedule, ScheduleError, build, dependencies,
-                                         dualpipe_v, gpipe, interleaved_1f1b, one_f_one_b, overlapped_1f1b, validate)
+                                         dualpipe_v, dualpipe_v_unfit, gpipe, interleaved_1f1b, one_f_one_b,
+                                         overlapped_1f1b, validate)
 from parallel.pipeline.simulator import StageCosts, dualpipe_v_bubble, gantt, simulate, theoretical_bubble
 
 GRID = [(p, v, m) for p in (2, 4, 8) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)]
@@ -267,12 +268,20 @@ def test_builders_reject_bad_sizes():
         one_f_one_b(4, 0)
     with pytest.raises(ScheduleError, match="schedule: expected one of"):
         build("zb", 4, 2, 8)
-    with pytest.raises(ScheduleError, match=r"microbatches: DualPipeV needs at least 2 x 4 stages = 8, got 7"):
+    with pytest.raises(ScheduleError, match=r"microbatches: DualPipeV needs m >= 2\*p = 8 micro-batches, got m=7"):
         build("dualpipev", 4, 2, 7)
-    with pytest.raises(ScheduleError, match="chunks: DualPipeV holds 2 chunks per stage"):
+    with pytest.raises(ScheduleError, match="chunks: DualPipeV runs 2 chunks per stage"):
         build("dualpipev", 4, 3, 12)
     with pytest.raises(ScheduleError, match="stages: expected a positive integer"):
         dualpipe_v(0, 8)
+
+
+def test_dualpipev_rule_is_one_predicate_in_the_callers_names():
+    """The builder, the planner's schedule choice and --evaluate share `dualpipe_v_unfit`; each names the sizes."""
+    assert dualpipe_v_unfit(4, 2, 8) is None
+    assert dualpipe_v_unfit(4, 3, 12)[0] == "chunks" and dualpipe_v_unfit(4, 2, 7)[0] == "microbatches"
+    assert dualpipe_v_unfit(16, 2, 16, {"p": "pp", "v": "vpp", "m": "m"}) == (
+        "microbatches", "needs m >= 2*pp = 32 micro-batches, got m=16")
 
 
 def test_gantt_png(tmp_path):

@@ -235,22 +235,36 @@ def _dualpipe_v_units(p: int, m: int, s: int) -> list[tuple[tuple[Kind, int], ..
             + [(b0,)] * below)             # 7: chunk 0's last backwards (W B0 in DualPipeV); 8 is W alone
 
 
+def dualpipe_v_unfit(p: int, v: int, m: int, names: dict[str, str] | None = None) -> tuple[str, str] | None:
+    """Why DualPipeV cannot run p stages of v chunks over m micro-batches, or None where it can: (the size at
+    fault, "chunks" or "microbatches"; the rule it breaks, worded in the caller's `names` for p, v and m). The one
+    statement of the rule: the builder raises it, the planner offers DualPipeV only where it is None
+    (refine.schedules_for), `--evaluate` words it in its keys (plan.parse_schedule). One stage builds (its V turns
+    on itself); a layout of two chunks has more than one stage by the layout rules (layout.interleave_has_stages)."""
+    n = {"p": "p", "v": "v", "m": "m", **(names or {})}
+    if v != 2:
+        return "chunks", f"runs 2 chunks per stage (a V), so {n['v']}=2, got {n['v']}={v}"
+    if m < 2 * p:
+        return "microbatches", f"needs {n['m']} >= 2*{n['p']} = {2 * p} micro-batches, got {n['m']}={m}"
+    return None
+
+
 def dualpipe_v(p: int, m: int, v: int = 2) -> Schedule:
     """DeepSeek's DualPipeV (DualPipe cut in half, github.com/deepseek-ai/DualPipe `dualpipev.py`): two chunks per
     stage in the V layout (stage s holds virtual stages s and 2p-1-s; embedding and loss on stage 0). Stage s warms
     up with 2(p-1-s) forwards of chunk 0, then runs both chunks, and in its steady state overlaps the forward of one
     chunk with the backward of the other (`pairs`: each all-to-all hides behind the other pass's compute), for
-    m - 2p + s + 1 rounds of F0+B1, F1+B0; transfers run on their own stream. Needs m >= 2p micro-batches.
+    m - 2p + s + 1 rounds of F0+B1, F1+B0; transfers run on their own stream. Needs m >= 2p micro-batches
+    (`dualpipe_v_unfit`).
 
     Simplification: DualPipeV splits each backward into an input-gradient pass B and a weight-gradient pass W and
     defers some W's into the warm-up and cool-down bubbles (zero bubble). Actions here are F and B only, so each W
     runs inside its B: the order is DualPipeV's with every W dropped. On uniform stages the bubble is then the
     published (p-1)(F&B + B - 3W) with W = 0 (`simulator.dualpipe_v_bubble`)."""
     _check_sizes(p, v, m)
-    if v != 2:
-        raise ScheduleError(f"chunks: DualPipeV holds 2 chunks per stage (a V), got {v}")
-    if m < 2 * p:
-        raise ScheduleError(f"microbatches: DualPipeV needs at least 2 x {p} stages = {2 * p}, got {m}")
+    unfit = dualpipe_v_unfit(p, v, m)
+    if unfit:
+        raise ScheduleError(f"{unfit[0]}: DualPipeV {unfit[1]}")
     stages, pairs = zip(*(_numbered(_dualpipe_v_units(p, m, s)) for s in range(p)))
     return Schedule("dualpipev", p, 2, m, stages, pairs, async_p2p=True, chunk_layout=ChunkLayout.V)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallel.layout import RECOMPUTE, ParallelLayout
+from parallel.pipeline.schedules import dualpipe_v_unfit
 from parallel.planner.cost_model import Workload
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
@@ -26,10 +27,10 @@ class Candidate:
 
 def schedules_for(layout: ParallelLayout) -> tuple[str, ...]:
     """The schedules `refine` balances a layout under: its default (1F1B, interleaved with virtual chunks), and
-    DualPipeV where the layout can run it: two chunks per stage (its V), at least 2p micro-batches, and more than
-    one stage (a V needs stages to turn at)."""
+    DualPipeV where the layout can run it (schedules.dualpipe_v_unfit: two chunks per stage, its V, and at least 2p
+    micro-batches; two chunks have more than one stage to turn at by the layout rules, interleave_has_stages)."""
     default = schedule_name(layout)
-    v_fits = layout.vpp == 2 and layout.pp > 1 and layout.micro_batch_num >= 2 * layout.pp
+    v_fits = dualpipe_v_unfit(layout.pp, layout.vpp, layout.micro_batch_num) is None
     return (default, "dualpipev") if v_fits else (default,)
 
 
