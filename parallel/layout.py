@@ -95,8 +95,16 @@ def heads_split(shape, tp):
     return shape.num_heads % tp == 0
 
 
-def experts_split(shape, ep):
-    return shape.num_routed_experts % ep == 0
+def kv_heads_split(shape, tp):
+    """GQA's KV heads split evenly over tp, or tp is a multiple of them (each head then held by tp / kv ranks);
+    MLA has no KV heads to split (num_key_value_heads = 0, which every tp divides)."""
+    kv = shape.num_key_value_heads
+    return (kv % tp == 0) | (tp % max(kv, 1) == 0)
+
+
+def experts_split(shape, ep, etp=1):
+    """ep divides the routed experts; a dense model has none, so no expert groups either: ep = etp = 1."""
+    return (shape.num_routed_experts % ep == 0) & ((shape.num_routed_experts > 0) | ((ep == 1) & (etp == 1)))
 
 
 def layers_fill_chunks(shape, pp, vpp):
@@ -114,16 +122,21 @@ def global_batch_splits(global_batch, dp, mbs):
     return global_batch % (dp * mbs) == 0
 
 
-def check_model_fit(shape, tp: int, pp: int, vpp: int, ep: int, devices_per_node: int) -> None:
+def check_model_fit(shape, tp: int, pp: int, vpp: int, ep: int, devices_per_node: int, etp: int = 1) -> None:
     """The model-shape rules for one layout, as LayoutErrors in the degrees' own names."""
+    dense = not shape.num_routed_experts
     for ok, field, template in (
             (heads_split(shape, tp), "tp", "tp={tp} does not divide the {heads} attention heads"),
-            (experts_split(shape, ep), "ep", "ep={ep} does not divide the {experts} routed experts"),
+            (kv_heads_split(shape, tp), "tp", "tp={tp} neither divides the {kv} KV heads nor is a multiple of them"),
+            (experts_split(shape, ep, etp), "etp" if dense and ep == 1 else "ep",
+             "ep={ep},etp={etp}: a dense model has no routed experts to split; give ep=1,etp=1" if dense else
+             "ep={ep} does not divide the {experts} routed experts"),
             (layers_fill_chunks(shape, pp, vpp), "pp", "pp*vpp = {chunks} chunks for only {layers} layers"),
             (tp_within_node(tp, devices_per_node), "tp", "tp={tp} spans more than one node of {node} devices")):
         if not ok:
-            raise LayoutError(field, template, tp=tp, ep=ep, chunks=pp * vpp, heads=shape.num_heads,
-                              experts=shape.num_routed_experts, layers=shape.num_layers, node=devices_per_node)
+            raise LayoutError(field, template, tp=tp, ep=ep, etp=etp, chunks=pp * vpp, heads=shape.num_heads,
+                              kv=shape.num_key_value_heads, experts=shape.num_routed_experts,
+                              layers=shape.num_layers, node=devices_per_node)
 
 
 @dataclass(frozen=True)

@@ -107,12 +107,9 @@ def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
     except LayoutError as e:  # worded in the recipe's keys, as the recipe's own validation words it
         raise PlanError(f"--evaluate: {layout_error_text(e)}") from None
     try:
-        check_model_fit(w.shape, tp, pp, layout.vpp, layout.ep, w.cluster.devices_per_node)
+        check_model_fit(w.shape, tp, pp, layout.vpp, layout.ep, w.cluster.devices_per_node, etp=layout.etp)
     except LayoutError as e:
         raise PlanError(f"--evaluate: {e.reason()}") from None
-    if not w.shape.num_routed_experts and (layout.ep > 1 or layout.etp > 1):  # ep divides zero experts
-        raise PlanError(f"--evaluate: ep={layout.ep},etp={layout.etp}: a dense model has no routed experts to split; "
-                        f"give ep=1,etp=1")
     return layout
 
 

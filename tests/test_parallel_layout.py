@@ -7,8 +7,9 @@ import pytest
 
 from parallel.layout import (Axis, LayoutError, ParallelLayout, check_model_fit, experts_fold_over_dense,
                              experts_split, fills_world, global_batch_splits, heads_split, interleave_fills_stages,
-                             interleave_has_stages, layers_fill_chunks, micro_batches_fill_stages,
+                             interleave_has_stages, kv_heads_split, layers_fill_chunks, micro_batches_fill_stages,
                              sequence_parallel_has_tp, tp_within_node)
+from parallel.planner.model_shape import TELECHAT3_36B
 from tests.test_planner_model_shape import TELECHAT3_105B
 
 S = TELECHAT3_105B
@@ -73,6 +74,28 @@ def test_world_size_and_model_fit():
         with pytest.raises(LayoutError) as e:
             check_model_fit(S, **{**dict(tp=1, pp=1, vpp=1, ep=1, devices_per_node=8), **kwargs})
         assert e.value.field == field and e.value.reason() == text
+
+
+def test_gqa_kv_heads_and_dense_experts_fit():
+    """GQA's 8 KV heads split over tp (or tp is a multiple of them); MLA has none to split; a dense model has no
+    experts to split: ep = etp = 1. Scalars and arrays agree, and check_model_fit names the degree at fault."""
+    tps = (1, 2, 4, 6, 8, 12, 16)
+    assert [bool(kv_heads_split(TELECHAT3_36B, tp)) for tp in tps] == [True, True, True, False, True, False, True]
+    assert list(kv_heads_split(TELECHAT3_36B, np.array(tps))) == [bool(kv_heads_split(TELECHAT3_36B, t)) for t in tps]
+    assert all(kv_heads_split(S, tp) for tp in tps)  # MLA
+    pairs = [(1, 1), (8, 1), (1, 2), (2, 2)]
+    assert [bool(experts_split(TELECHAT3_36B, ep, etp)) for ep, etp in pairs] == [True, False, False, False]
+    assert list(experts_split(TELECHAT3_36B, *map(np.array, zip(*pairs)))) == [True, False, False, False]
+    assert experts_split(S, 64, 2)
+    base = dict(tp=1, pp=1, vpp=1, ep=1, devices_per_node=8)
+    for kwargs, field, text in (
+            (dict(tp=6), "tp", "tp=6 neither divides the 8 KV heads nor is a multiple of them"),
+            (dict(ep=8), "ep", "ep=8,etp=1: a dense model has no routed experts to split; give ep=1,etp=1"),
+            (dict(etp=2), "etp", "ep=1,etp=2: a dense model has no routed experts to split; give ep=1,etp=1")):
+        with pytest.raises(LayoutError) as e:
+            check_model_fit(TELECHAT3_36B, **{**base, **kwargs})
+        assert e.value.field == field and e.value.reason() == text
+    check_model_fit(TELECHAT3_36B, **{**base, "tp": 8})
 
 
 def test_groups_cover_the_world_once():

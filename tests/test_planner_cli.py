@@ -129,6 +129,10 @@ DEEPSEEK = ["--recipe", "1t", "--model", "deepseek-v3", "--devices", "2048"]
       "--write", "out.yaml"], "--write: the plan runs the dualpipev schedule"),
     (["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048", "--evaluate", "tp=8,pp=2,ep=8"],
      "a dense model has no routed experts"),
+    (["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048", "--evaluate", "tp=8,pp=2,etp=2"],
+     "--evaluate: ep=1,etp=2: a dense model has no routed experts to split; give ep=1,etp=1"),
+    (["--recipe", "1t", "--model", "telechat3-36b", "--devices", "1536", "--global-batch", "1536", "--evaluate",
+      "tp=6,pp=2"], "--evaluate: tp=6 neither divides the 8 KV heads nor is a multiple of them"),
 ])
 def test_bad_model_and_schedule_input_is_one_line_and_exit_code_2(args, expect, tmp_path):
     r = subprocess.run([sys.executable, "-m", "telechat_moe.plan", *args], cwd=tmp_path, capture_output=True,

@@ -119,13 +119,6 @@ def attention_total(s: ModelShape) -> int:
     return a["replicated"] + a["sharded"] + a["kv"]
 
 
-def kv_heads_fit(s: ModelShape, tp):
-    """GQA's KV heads split evenly over tp, or tp is a multiple of them (each head then held by tp / kv ranks);
-    MLA has no KV heads to split (works on NumPy arrays)."""
-    kv = s.num_key_value_heads
-    return (kv % tp == 0) | (tp % kv == 0) if kv else np.ones_like(tp, dtype=bool)
-
-
 def kv_per_device(s: ModelShape, tp):
     """(GQA's k and v parameters one device holds, of those the copies of heads replicated over tp ranks)."""
     kv = attention_params(s)["kv"]

@@ -2,10 +2,10 @@
 
 Dimensions: tp, pp, vpp, ep, etp, micro-batch size, recompute, EP scheme, EP overlap; dp follows from the device
 count and the number of micro-batches from the global batch. A layout is dropped before scoring when it cannot
-exist (the rules of parallel.layout, evaluated on the arrays: divisibility, micro-batch counts, heads, experts,
-layers, tensor parallelism within a node; and GQA's KV heads, model_shape.kv_heads_fit), lies outside the space
-searched (expert TP wider than the dense TP) or is a duplicate (an EP scheme or overlap without EP, a hierarchical
-scheme inside one node, expert TP in a dense model, which has no experts: it searches ep = etp = 1).
+exist (the rules of parallel.layout, evaluated on the arrays: divisibility, micro-batch counts, heads and GQA's KV
+heads, experts (a dense model has none: ep = etp = 1), layers, tensor parallelism within a node), lies outside the
+space searched (expert TP wider than the dense TP) or is a duplicate (an EP scheme or overlap without EP, a
+hierarchical scheme inside one node).
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import numpy as np
 
 from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, experts_split, fills_world,
                              global_batch_splits, heads_split, interleave_fills_stages, interleave_has_stages,
-                             layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
+                             kv_heads_split, layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
 from parallel.planner.cost_model import Layouts, Workload, evaluate
-from parallel.planner.model_shape import kv_heads_fit
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,9 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     raw = tp.size
     dp = n // (tp * pp)  # cp is 1
     ok = fills_world(dp, tp, 1, pp, n) & tp_within_node(tp, w.cluster.devices_per_node) & heads_split(s, tp)
-    ok &= kv_heads_fit(s, tp)
+    ok &= kv_heads_split(s, tp)
     dp = np.where(ok, dp, 1)
-    ok &= experts_fold_over_dense(dp, 1, tp, ep, etp) & experts_split(s, ep)
+    ok &= experts_fold_over_dense(dp, 1, tp, ep, etp) & experts_split(s, ep, etp)
     ok &= etp <= tp  # the space searched: expert TP within the dense TP group
     ok &= global_batch_splits(w.global_batch, dp, mbs)
     m = w.global_batch // (dp * mbs)
@@ -64,7 +63,6 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     # duplicates: EP options that change nothing
     ok &= (ep > 1) | ((scheme == 0) & (overlap == 0))
     ok &= (scheme == 0) | (ep * etp > w.cluster.devices_per_node)
-    ok &= (s.num_routed_experts > 0) | (etp == 1)
     keep = np.flatnonzero(ok)
     lay = Layouts(tp=tp[keep], pp=pp[keep], vpp=vpp[keep], dp=dp[keep], ep=ep[keep], etp=etp[keep],
                   mbs=mbs[keep], m=m[keep], recompute=rc[keep], ep_scheme=scheme[keep], ep_overlap=overlap[keep],
