@@ -8,10 +8,19 @@ call is checked against the installed package's signatures by tests/test_context
 | mode, jit_level | `ms.set_context(mode=..., jit_config={"jit_level": ...})` | CPU, Ascend |
 | device_target | `ms.set_device(target)` (under msrun MindSpore picks each rank's device id) | CPU, Ascend |
 | enable_graph_kernel | `ms.set_context(enable_graph_kernel=True)` | CPU, Ascend |
+| fusion.graph_kernel | CPU: `ms.set_context(enable_graph_kernel=True)` (AKG); Ascend: jit_level O1 is DVM | CPU, Ascend |
+| fusion.*_ops lists, flags | `os.environ[MS_DEV_GRAPH_KERNEL_FLAGS]` ("--disable_cluster_ops=Mul,Add ...") | CPU, Ascend |
+| fusion.save_graphs(_path) | `os.environ[MS_DEV_SAVE_GRAPHS=1, MS_DEV_SAVE_GRAPHS_PATH, MS_DEV_DUMP_IR_PASSES]` | CPU, Ascend |
 | max_device_memory_gb, mempool_block_size_gb | `ms.runtime.set_memory(max_size=, increase_size=)` ("NGB") | Ascend |
 | memory_optimize_level | `ms.runtime.set_memory(optimize_level=...)` | CPU, Ascend |
 | deterministic: ON | `ms.set_deterministic(True)` (also sets HCCL_DETERMINISTIC, TE_PARALLEL_COMPILER) | CPU, Ascend |
 | hccl_connect_timeout, hccl_exec_timeout, hccl_buffsize | `os.environ[HCCL_...]` | Ascend |
+
+Graph-kernel fusion has one switch per device: on Ascend jit_level O1 is DVM, MindSpore's own fusion (a recipe at O1
+fuses; fusion.graph_kernel asks for O1 there); on CPU jit_level O1 alone fuses nothing and enable_graph_kernel turns on
+AKG (context.enable_graph_kernel, MindFormers' key, and fusion.graph_kernel are the same switch). The flags and the IR
+dump go through the environment variables MindSpore 2.9's set_context points to (read when a graph compiles); the IR
+dump keeps only the built kernel graphs (`graph_build_*.ir`, what `python -m dvm_fusion.report` reads).
 
 On CPU, max_device_memory_gb stays the planner's and the fit check's budget only (MindSpore ignores a memory cap on
 CPU) and the HCCL variables are not set (the CPU transport is mccl). A setting at its default makes no call.
@@ -49,6 +58,37 @@ def hccl_environment(c: ContextConfig) -> dict[str, str]:
     return {env: str(getattr(c, key)) for key, env in HCCL_ENV.items() if getattr(c, key)}
 
 
+def fusion_on(r: Recipe) -> bool:
+    """Whether the recipe's graphs are compiled with graph-kernel fusion (DVM on Ascend at jit_level O1, AKG on CPU)."""
+    c = r.context
+    return r.fusion.graph_kernel or c.enable_graph_kernel or (c.device_target == "Ascend" and c.jit_level == "O1")
+
+
+def graph_kernel_flags(r: Recipe) -> str:
+    """MindSpore's graph-kernel flags for the fusion section: its operator lists, then its own flags."""
+    from telechat_moe.recipe import FUSION_OP_LISTS
+    f = r.fusion
+    lists = [f"--{key}={','.join(getattr(f, key))}" for key in FUSION_OP_LISTS if getattr(f, key)]
+    return " ".join(lists + f.flags.split())
+
+
+def graphs_dir(r: Recipe) -> str:
+    """Where the IR dump goes: fusion.save_graphs_path, or <output_dir>/graphs."""
+    return r.fusion.save_graphs_path or os.path.join(r.output_dir, "graphs")
+
+
+def fusion_environment(r: Recipe) -> dict[str, str]:
+    """The environment variables the fusion section sets (none at its defaults)."""
+    out = {}
+    flags = graph_kernel_flags(r)
+    if flags:
+        out["MS_DEV_GRAPH_KERNEL_FLAGS"] = flags
+    if r.fusion.save_graphs:
+        out.update({"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_SAVE_GRAPHS_PATH": os.path.abspath(graphs_dir(r)),
+                    "MS_DEV_DUMP_IR_PASSES": "graph_build"})
+    return out
+
+
 def memory_settings(c: ContextConfig) -> dict[str, str]:
     """mindspore.runtime.set_memory's keyword arguments for the recipe; empty: nothing to set."""
     out = {}
@@ -79,11 +119,12 @@ def configure_mindspore(r: Recipe) -> None:
     once = {"mindspore.runtime.set_memory": memory, "mindspore.set_deterministic": c.deterministic == "ON"}
     _refuse_change(once)
     os.environ.update(hccl_environment(c))
+    os.environ.update(fusion_environment(r))
     ms.set_context(mode=c.mode, jit_config={"jit_level": c.jit_level})
     # MindSpore fixes the device once kernels have run; setting the same one again would be refused.
     if ms.get_context("device_target") != c.device_target:
         ms.set_device(c.device_target)
-    if c.enable_graph_kernel:
+    if c.enable_graph_kernel or (r.fusion.graph_kernel and c.device_target == "CPU"):
         ms.set_context(enable_graph_kernel=True)
     # at their defaults nothing is called (and nothing fixed for the process)
     if memory and "mindspore.runtime.set_memory" not in _APPLIED:

@@ -162,6 +162,29 @@ class ContextConfig:
     peak_tflops: float = 0.0              # for MFU; 0: measured fp32 GEMM FLOP/s of this machine
 
 
+@dataclass
+class ProfileConfig:
+    """MindSpore's profiler around some training steps (telechat_moe/profiling.py; `python -m telechat_moe.profiling
+    DIR` reports top operators, time per phase, host gaps and each step's total)."""
+    steps: str = ""                       # e.g. "3-4" (training.dump_steps' syntax); empty: no profiling
+    output_dir: str = ""                  # empty: <output_dir>/profile
+
+
+@dataclass
+class FusionConfig:
+    """Graph-kernel fusion (telechat_moe.context applies it): on Ascend MindSpore's DVM at context.jit_level O1, on
+    CPU AKG through enable_graph_kernel. The operator lists become MindSpore's graph-kernel flags
+    (MS_DEV_GRAPH_KERNEL_FLAGS); `python -m dvm_fusion.report DIR` lists the fused kernels of an IR dump."""
+    graph_kernel: bool = False            # fuse (context.enable_graph_kernel: true is the same switch)
+    enable_expand_ops: list = field(default_factory=list)     # --enable_expand_ops: operators expanded to fuse
+    disable_expand_ops: list = field(default_factory=list)    # --disable_expand_ops
+    enable_cluster_ops: list = field(default_factory=list)    # --enable_cluster_ops: operators added to clusters
+    disable_cluster_ops: list = field(default_factory=list)   # --disable_cluster_ops: never fused
+    flags: str = ""                       # more graph-kernel flags as MindSpore spells them, e.g. "--opt_level=2"
+    save_graphs: bool = False             # dump the compiled graphs' IR (MS_DEV_SAVE_GRAPHS)
+    save_graphs_path: str = ""            # empty: <output_dir>/graphs
+
+
 # What telechat_moe.context accepts and passes on (validate() names the field of a value outside them).
 JIT_LEVELS = ("O0", "O1", "O2")
 MEMORY_OPTIMIZE_LEVELS = ("O0", "O1")
@@ -185,6 +208,8 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
     expert_placement: ExpertPlacementConfig = field(default_factory=ExpertPlacementConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -460,6 +485,8 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
     require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
              "model.compute_dtype: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
     _validate_context(r.context)
+    _validate_profile(r.profile, t.train_steps)
+    _validate_fusion(r)
 
 
 def _validate_context(c: ContextConfig) -> None:
@@ -481,6 +508,41 @@ def _validate_context(c: ContextConfig) -> None:
                                   f"got {c.hccl_buffsize}")
     require(c.peak_tflops >= 0 and math.isfinite(c.peak_tflops),
              f"context.peak_tflops: expected 0 (measure this machine) or a finite number > 0, got {c.peak_tflops}")
+
+
+def _validate_profile(p: ProfileConfig, train_steps: int) -> None:
+    if p.steps:
+        from precision.dump import DumpError, parse_steps
+        try:
+            steps = parse_steps(p.steps, "profile.steps")
+        except DumpError as e:
+            raise RecipeError(str(e)) from None
+        require(max(steps) <= train_steps, f"profile.steps: step {max(steps)} is after the last training step "
+                                           f"(training.train_steps={train_steps})")
+
+
+# the fusion section's operator lists: the graph-kernel flag each becomes
+FUSION_OP_LISTS = ("enable_expand_ops", "disable_expand_ops", "enable_cluster_ops", "disable_cluster_ops")
+
+
+def _validate_fusion(r: Recipe) -> None:
+    f, c = r.fusion, r.context
+    for key in FUSION_OP_LISTS:
+        ops = getattr(f, key)
+        require(all(isinstance(op, str) and op.isidentifier() for op in ops),
+                f"fusion.{key}: expected a list of operator names such as [Mul, Add], got {ops!r}")
+    tokens = f.flags.split()
+    require(all(t.startswith("--") and len(t) > 2 for t in tokens),
+            f"fusion.flags: expected graph-kernel flags such as '--opt_level=2', got {f.flags!r}")
+    listed = sorted({t[2:].split("=", 1)[0] for t in tokens} & set(FUSION_OP_LISTS)) or [""]
+    require(not listed[0], f"fusion.flags: --{listed[0]} has its own key, fusion.{listed[0]}")
+    require(not f.graph_kernel or c.device_target == "CPU" or c.jit_level == "O1",
+            f"fusion.graph_kernel: on Ascend graph-kernel fusion (DVM) runs at context.jit_level O1, got "
+            f"{c.jit_level}")
+    tuned = [key for key in FUSION_OP_LISTS if getattr(f, key)] + (["flags"] if f.flags else []) + [""]
+    require(not tuned[0] or f.graph_kernel or c.enable_graph_kernel or (c.device_target == "Ascend" and
+                                                                      c.jit_level == "O1"),
+            f"fusion.{tuned[0]}: graph-kernel fusion is off; set fusion.graph_kernel: true")
 
 
 def launched_processes(env: Mapping[str, str]) -> int:

@@ -45,6 +45,7 @@ from telechat_moe.moe.replicas import SumReplicaGradients, outside_checkpoints
 from telechat_moe.moe.router import expert_bias_delta
 from telechat_moe.optim import build_adamw, lr_at
 from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
+from telechat_moe.profiling import StepProfiler
 from telechat_moe.recipe import Recipe
 
 
@@ -380,6 +381,7 @@ class Trainer:
                                   cost_model=cost, max_context_loss=d.max_context_loss)
         self.step = 0
         self.dumper = self._dump_writer()
+        self.profiler = StepProfiler.of(recipe, rank)     # MindSpore's profiler around profile.steps
         self.timeline = None        # the pipeline's per-step timeline file, opened by _begin
 
         shape = cfg.to_model_shape()
@@ -764,9 +766,11 @@ class Trainer:
         batches = self.loader.as_mindspore_dataset(remaining).create_dict_iterator(output_numpy=True, num_epochs=1)
         try:
             for batch in batches:
+                self.profiler.before(self.step + 1)
                 start = time.perf_counter()
                 values, loads = self.train_step(batch)
                 self.logger.step_time(time.perf_counter() - start)
+                self.profiler.after(self.step + 1, self.logger.step_times[-1])
                 self.loader.advance(1)
                 self.step += 1
                 done = self.step == t.train_steps
@@ -783,6 +787,7 @@ class Trainer:
                     self.save()
         finally:
             self.logger.close()     # also when a step fails: what was logged is on disk
+            self.profiler.close()
             if self.timeline is not None:
                 self.timeline.close()
         summary = {**last, "eval_lm_loss": eval_loss}
