@@ -35,6 +35,21 @@ TeleChat3 36B dense on 2048 Ascend NPUs (the figure the planner issue quotes: 0.
 sequence 8192 with DP 128, TP 8, PP 2). Ours: the 910B cluster file, global batch 1024 (not stated: 8
 micro-batches of 1 per replica), BF16 weights with FP32 gradients, master copy and moments.
 
+Llama's gap (-16%), looked into and left as it is: its tensor-parallel collectives (an all-gather and a
+reduce-scatter of the sequence around attention and around the FFN, each way: about 1.4 s of the step's exposed
+communication, the rest the pipeline's sends) are priced at 450 GB/s per direction (NVLink 4: 900 GB/s both ways)
+times the cluster's 80% network efficiency = 360 GB/s of bus bandwidth, with the ring's (n-1)/n: the rate NCCL's
+developers expect of all-gather and all-reduce on an 8-GPU H100 node (github.com/NVIDIA/nccl-tests/issues/326), so
+the price is not the error. The model overlaps none of them, nor the pipeline's sends, as this project's
+parallel/tp and pipeline executor run them. Other frameworks hide some: Megatron-Core's sequence-parallel linear
+reduce-scatters the input gradient behind the weight-gradient GEMM (megatron/core/tensor_parallel/layers.py,
+LinearWithGradAccumulationAndAsyncCommunication.backward), about 0.35 s here; Meta reports asynchronous pipeline
+sends (arXiv:2407.21783, section 3.3.2), 0.2 s here (145 tokens/s, -14.6%, with the sends on their own stream).
+Meta does not say how its tensor-parallel collectives run; neither is applied, since both describe another
+framework than the one the planner plans. The rest of the gap is
+the bubble: 17% simulated against (p-1)/(vm+p-1) = 7% for even stages, the stages being uneven (126 layers in 96
+chunks, at the memory limit without recompute).
+
 Target (the planner issue): every run within 15%. Run: python -m bench.planner_published (about a minute; Llama's
 search over 8192 devices is most of it)
 """
