@@ -2,9 +2,10 @@
 
 Measured (parallel.planner.machine): fp32 GEMM FLOP/s (numpy/OpenBLAS, large square GEMMs, best of several),
 attention-shaped batched GEMM FLOP/s (their ratio is the attention efficiency), streaming memory bandwidth (array
-copy), loopback TCP bandwidth and latency between two processes (the transport of msrun's CPU collectives on one
-machine), and, when MindSpore is importable, the per-operator launch overhead of a graph-mode kernel chain and the
-FLOP/s of graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency.
+copy), the host link that activation offload uses (a memcpy rate: the device is the host), loopback TCP bandwidth
+and latency between two processes (the transport of msrun's CPU collectives on one machine), and, when MindSpore
+is importable, the per-operator launch overhead of a graph-mode kernel chain and the FLOP/s of graph-mode MatMuls
+of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency.
 Memory and network efficiencies are 1: their peak and sustained rates are the same measurement here.
 
 Then, with MindSpore, the runtime (cluster.Runtime): real training steps of eight small probe recipes (two-layer
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['predicted']['step_memory'] / 2**20:.0f} MiB", file=sys.stderr)
     out.write_text(f"# Written by `{COMMAND}`; rerun it to re-measure.\n" + yaml.safe_dump(doc, sort_keys=False))
     print(f"wrote {out}: fp32 {doc['device']['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
-          f"{doc['device']['memory_bandwidth'] / 1e9:.1f} GB/s, link {doc['intra_node']['bandwidth'] / 1e9:.2f} GB/s, "
+          f"{doc['device']['memory_bandwidth'] / 1e9:.1f} GB/s, host link {doc['host_link']['bandwidth'] / 1e9:.1f} "
+          f"GB/s, link {doc['intra_node']['bandwidth'] / 1e9:.2f} GB/s, "
           f"op overhead {doc['op_overhead'] * 1e6:.1f} us")
     return 0
 
