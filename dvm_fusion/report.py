@@ -78,7 +78,7 @@ class Subgraph:
 @dataclass
 class FusedKernel:
     name: str                   # GraphKernel_Mul_Add_fusion-op3 (the calling node's name), or the fusion's name
-    scope: str                  # where the call sits, e.g. Default/forward_backward-ForwardBackward/...
+    scope: str                  # the cell scope its operators share (else the most specific one's)
     ops: list[str]              # the operators inside, in order
     intermediates: int          # values produced and consumed inside the kernel
     intermediate_bytes: int     # their bytes (those of known shape)
@@ -149,6 +149,21 @@ def parse_ir(text: str, path: Path) -> list[Subgraph]:
     return graphs
 
 
+def _common_scope(scopes: list[str]) -> str:
+    """The deepest cell scope every one of `scopes` (full op names) lies in: where a fused kernel's operators come
+    from (the call node of a kernel graph keeps only the graph's root scope)."""
+    parts = [s.split("/")[:-1] for s in scopes]
+    common = []
+    for level in zip(*parts) if parts else ():
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    if len(common) > 1 or not parts:
+        return "/".join(common)
+    # operators of several cells (an expander's op keeps only Default/): the most specific one's
+    return "/".join(max(parts, key=len))
+
+
 def fused_kernels(graphs: list[Subgraph], file: str) -> list[FusedKernel]:
     """The fused kernels of one IR file, in the order their calls appear."""
     bodies = {g.name: g for g in graphs if "graph_kernel" in g.attrs}
@@ -167,9 +182,11 @@ def fused_kernels(graphs: list[Subgraph], file: str) -> list[FusedKernel]:
         ops = [n for n in body.nodes if n.op not in STRUCTURAL]
         inner = [n for n in ops if n.value not in outputs]
         sizes = [t.nbytes for n in inner for t in n.outputs]
+        inside = _common_scope([n.scope for n in ops if n.scope])
         for scope in calls.get(name, [""]):
             where, _, call_name = scope.rpartition("/")
-            out.append(FusedKernel(call_name or f"GraphKernel_{body.attrs['graph_kernel']}", where,
+            out.append(FusedKernel(call_name or f"GraphKernel_{body.attrs['graph_kernel']}",
+                                   inside if len(inside) > len(where) else where,
                                    [n.op for n in ops], len(inner), sum(s for s in sizes if s is not None),
                                    sum(s is None for s in sizes), file))
     return out

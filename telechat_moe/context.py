@@ -8,9 +8,9 @@ call is checked against the installed package's signatures by tests/test_context
 | mode, jit_level | `ms.set_context(mode=..., jit_config={"jit_level": ...})` | CPU, Ascend |
 | device_target | `ms.set_device(target)` (under msrun MindSpore picks each rank's device id) | CPU, Ascend |
 | enable_graph_kernel | `ms.set_context(enable_graph_kernel=True)` | CPU, Ascend |
-| fusion.graph_kernel | CPU: `ms.set_context(enable_graph_kernel=True)` (AKG); Ascend: jit_level O1 is DVM | CPU, Ascend |
-| fusion.*_ops lists, flags | `os.environ[MS_DEV_GRAPH_KERNEL_FLAGS]` ("--disable_cluster_ops=Mul,Add ...") | CPU, Ascend |
-| fusion.save_graphs(_path) | `os.environ[MS_DEV_SAVE_GRAPHS=1, MS_DEV_SAVE_GRAPHS_PATH, MS_DEV_DUMP_IR_PASSES]` | CPU, Ascend |
+| fusion.graph_kernel | CPU: `ms.set_context(enable_graph_kernel=True)` (AKG); Ascend: jit_level O1 | CPU, Ascend |
+| fusion.*_ops, flags | `os.environ[MS_DEV_GRAPH_KERNEL_FLAGS]` ("--disable_cluster_ops=Mul,Add ...") | CPU, Ascend |
+| fusion.save_graphs | `os.environ[MS_DEV_SAVE_GRAPHS, MS_DEV_SAVE_GRAPHS_PATH, MS_DEV_DUMP_IR_PASSES]` | CPU, Ascend |
 | max_device_memory_gb, mempool_block_size_gb | `ms.runtime.set_memory(max_size=, increase_size=)` ("NGB") | Ascend |
 | memory_optimize_level | `ms.runtime.set_memory(optimize_level=...)` | CPU, Ascend |
 | deterministic: ON | `ms.set_deterministic(True)` (also sets HCCL_DETERMINISTIC, TE_PARALLEL_COMPILER) | CPU, Ascend |

@@ -186,8 +186,8 @@ def load_steps(folder: Path, rank: int = 0, wanted: frozenset[int] | None = None
         records = [(int(s["step"]), float(s["start_us"]), float(s["end_us"]), float(s["trainer_step_s"]))
                    for s in steps["steps"]]
     except (KeyError, TypeError, ValueError):
-        raise ProfileError(f"{where / STEPS_FILE}: expected {{'steps': [{{step, start_us, end_us, trainer_step_s}}]}}") \
-            from None
+        raise ProfileError(f"{where / STEPS_FILE}: expected {{'steps': [{{step, start_us, end_us, "
+                           f"trainer_step_s}}]}}") from None
     if not records:
         raise ProfileError(f"{where / STEPS_FILE}: no step was profiled")
     profiled = sorted(r[0] for r in records)
