@@ -1,0 +1,20 @@
+"""Fused operators: the ones MindSpore fuses itself, and the ones written by hand.
+
+DVM is MindSpore's own graph-kernel fusion on Ascend: at `jit_level` O1 its compiler clusters chains of
+elementwise, broadcast and reduction operators (and expands composite ones such as AddN or SiLUGrad into them)
+into one `GraphKernel_<ops>_fusion` node, which DVM (in the Ascend plugin, `libmindspore_ops_ascend.so`) compiles
+and runs as one kernel: the intermediate tensors between the fused operators stay on chip instead of a round trip
+through device memory. Nothing of it is written here: the recipe's `fusion:` section (applied by
+telechat_moe/context.py) chooses it and tunes it through MindSpore's graph-kernel flags (`--enable_expand_ops`,
+`--disable_cluster_ops`, ...). On CPU the same clustering feeds AKG instead (`enable_graph_kernel`; jit_level O1
+alone fuses nothing there), which is how this machine sees the fusions of a step. `report.py`
+(`python -m dvm_fusion.report IR_DIR`) reads MindSpore's IR dump and lists each fused kernel, the operators inside
+it and the intermediate tensors it removed.
+
+A hand kernel is an operator written here because MindSpore's own one is missing on CPU or too general: one
+kernel with its own backward, bound to the same contract on both devices.
+- `grouped_matmul.py`: the MoE experts' grouped matmul. CPU: an `ops.Custom` pyfunc over NumPy's BLAS with its
+  own backward; Ascend: a thin binding of MindSpore's `GroupedMatmul` (split_item=3, group_type=0).
+- `varlen_attention.py`: per-document causal attention. CPU: an `ops.Custom` pyfunc, tiled; Ascend: MindSpore's
+  FlashAttentionScore with the TND layout.
+"""

@@ -152,7 +152,8 @@ def parse_ir(text: str, path: Path) -> list[Subgraph]:
 def _common_scope(scopes: list[str]) -> str:
     """The deepest cell scope every one of `scopes` (full op names) lies in: where a fused kernel's operators come
     from (the call node of a kernel graph keeps only the graph's root scope)."""
-    parts = [s.split("/")[:-1] for s in scopes]
+    # an expander's operator (Expand/_SiLU/Mul-op0) keeps no cell scope
+    parts = [s.split("/")[:-1] for s in scopes if not s.startswith("Expand/")] or [s.split("/")[:-1] for s in scopes]
     common = []
     for level in zip(*parts) if parts else ():
         if len(set(level)) > 1:
@@ -160,7 +161,7 @@ def _common_scope(scopes: list[str]) -> str:
         common.append(level[0])
     if len(common) > 1 or not parts:
         return "/".join(common)
-    # operators of several cells (an expander's op keeps only Default/): the most specific one's
+    # operators of several cells: the most specific one's
     return "/".join(max(parts, key=len))
 
 
