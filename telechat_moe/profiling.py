@@ -12,7 +12,8 @@ range leaves out are collected too but not reported.
 The report, from the trace's kernels (MindSpore's "CPU OP" process: every kernel launch with its full scope name,
 start and duration) of each profiled step, i.e. the kernels that start inside the step's window:
 - top operators by total time: the operator type (the scope name's last part without `-opN`; a fused kernel is its
-  GraphKernel_..._fusion), calls per step, total ms over the steps, share of the kernel time;
+  GraphKernel_..._fusion; a hand kernel, ops.Custom, is named with the cell calling it, e.g.
+  Custom[GroupedExperts]), calls per step, total ms over the steps, share of the kernel time;
 - time per phase, from the full scope names MindSpore gives the ops of a graph: `Gradients/...` is the backward
   (autodiff puts every op of the backward graph under it); an op under the gradient-preparation or optimizer cells
   (`prepare`, `optimizer`, `replica_sum`, the accumulation buffers: PHASE_SCOPES) is "optimizer+gradient
@@ -110,7 +111,13 @@ class Kernel:
 
     @property
     def op_type(self) -> str:
-        return re.sub(r"-op\d+$", "", self.name.rsplit("/", 1)[-1])
+        """The operator's type; a Custom kernel (ops.Custom: the hand kernels) with the cell that calls it."""
+        parts = self.name.split("/")
+        op = re.sub(r"-op\d+$", "", parts[-1])
+        if op == "Custom":
+            cell = next((p for p in reversed(parts[:-1]) if not p.startswith("Grad_")), "")
+            return f"Custom[{cell.split('-')[-1]}]" if cell else op
+        return op
 
 
 def phase_of(name: str) -> str | None:
