@@ -31,7 +31,8 @@ def weight_seed(seed: int, name: str) -> tuple[int, int]:
 def logsumexp(x, axis: int = -1):
     """log(sum(exp(x))) with the max shift outside the gradient: the same value and gradient as the textbook
     form, without differentiating through ReduceMax (which costs an argmax-mask pass over the whole vocabulary)."""
-    m = ops.stop_gradient(ops.amax(x, axis, keepdims=True))
+    # ArgMaxWithValue: 3.5x faster than ReduceMax (amax) on MindSpore's CPU kernels, the same maximum
+    m = ops.stop_gradient(ops.max(x, axis, keepdims=True)[0])
     return (m + ops.log(ops.exp(x - m).sum(axis, keepdims=True))).squeeze(axis)
 
 
@@ -44,10 +45,12 @@ class RMSNorm(nn.Cell):
         self.eps = eps
 
     def construct(self, x):
-        dtype = x.dtype
-        x = x.astype(ms.float32)
+        # as rows: the weight's gradient is then a sum over axis 0 of a matrix, not over the leading axes of a
+        # [batch, seq, hidden] tensor, which MindSpore's CPU ReduceSum ran 6x slower (on tiny: 50 of 1400 ms a step)
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1]).astype(ms.float32)
         x = x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps)
-        return self.weight * x.astype(dtype)
+        return (self.weight * x.astype(dtype)).reshape(shape)
 
 
 class Linear(nn.Cell):

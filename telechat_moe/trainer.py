@@ -109,32 +109,34 @@ class PrepareGradients(nn.Cell):
         self.clip = clip
 
     def construct(self, grads, grad_scale):
+        # Sums over ranks are linear, so the unscaling, the division by dp and the clipping are one multiply per
+        # gradient at the end (factor x raw sum), and the norm is the raw sums' norm times the unscaling: three
+        # elementwise passes over every gradient fewer than scaling first (on tiny, 90 of 1400 ms a step).
         reduced = ()
         dense_sq, tp_sq, expert_sq = ops.zeros((), ms.float32), ops.zeros((), ms.float32), ops.zeros((), ms.float32)
         for i in range(len(grads)):
             weight = 1.0 if self.counted[i] else 0.0
             if self.kinds[i] == EXPERT:
-                g = self.expert_sum(grads[i] * grad_scale) / self.dp
-                expert_sq = expert_sq + weight * lambda_sum_squares(g)
+                g = self.expert_sum(grads[i])
+                expert_sq = expert_sq + weight * sum_squares(g)
             elif self.kinds[i] == TP_SHARD:
-                g = self.dense_sum(grads[i] * grad_scale) / self.dp
-                tp_sq = tp_sq + weight * lambda_sum_squares(g)
+                g = self.dense_sum(grads[i])
+                tp_sq = tp_sq + weight * sum_squares(g)
             elif self.kinds[i] == PARTIAL:
-                g = self.tp_sum(self.dense_sum(grads[i] * grad_scale)) / self.dp
-                dense_sq = dense_sq + weight * lambda_sum_squares(g)
+                g = self.tp_sum(self.dense_sum(grads[i]))
+                dense_sq = dense_sq + weight * sum_squares(g)
             else:
-                g = self.dense_sum(grads[i] * grad_scale) / self.dp
-                dense_sq = dense_sq + weight * lambda_sum_squares(g)
+                g = self.dense_sum(grads[i])
+                dense_sq = dense_sq + weight * sum_squares(g)
             reduced = reduced + (g,)
         squares = dense_sq + self.tp_sum(tp_sq) + self.shard_sum(expert_sq)
         if self.stage_sum is not None:
             squares = self.stage_sum(squares)
-        norm = ops.sqrt(squares)
+        unscale = grad_scale / self.dp
+        norm = ops.sqrt(squares) * unscale
         finite = ops.isfinite(norm)
-        if self.clip > 0:
-            factor = self.clip / ops.maximum(norm, self.clip)
-            reduced = self.map(ops.partial(ops.mul, factor), reduced)
-        return reduced, norm, finite
+        factor = self.clip / ops.maximum(norm, self.clip) * unscale if self.clip > 0 else unscale
+        return self.map(ops.partial(ops.mul, factor), reduced), norm, finite
 
 
 @dataclass
@@ -157,8 +159,11 @@ def is_routed_expert(name: str) -> bool:
     return ".experts." in f".{name}"
 
 
-def lambda_sum_squares(g):
-    return ops.sum(ops.square(g.astype(ms.float32)))
+def sum_squares(g):
+    """The sum of g's squares in float32, reduced along the last axis first: MindSpore's CPU ReduceSum over all
+    axes of a tensor at once was 5x slower (and a float32 L2Loss 3x faster but 8e-4 off on 3M elements)."""
+    squares = ops.square(g.astype(ms.float32))
+    return ops.sum(ops.sum(squares.reshape(-1, squares.shape[-1]), -1)) if g.ndim > 1 else ops.sum(squares)
 
 
 def zero_out(p):
