@@ -5,7 +5,7 @@ identically."""
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import ops
+from mindspore import nn, ops
 
 
 def stable_order(keys):
@@ -19,6 +19,26 @@ def expert_group_sizes(flat_expert, num_experts: int):
     """int32 [E]: how many of the dispatched rows go to each expert (constant under the gradient)."""
     sizes = ops.one_hot(flat_expert, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(0)
     return ops.stop_gradient(sizes).astype(ms.int32)
+
+
+class _SegmentSum(nn.Cell):
+    """ops.unsorted_segment_sum for ids known to lie in [0, segments): its gradient is the plain gather of the
+    output gradient. MindSpore's own backward also masks ids outside the range, a LogicalAnd and a Select over
+    the whole [rows, hidden] gradient (on tiny's combine 6 of 7 ms a call)."""
+
+    def construct(self, x, ids, segments):
+        return ops.unsorted_segment_sum(x, ids, segments)
+
+    def bprop(self, x, ids, segments, out, dout):
+        return ops.gather(dout, ids, 0), ops.zeros_like(ids), 0
+
+
+_SEGMENT_SUM = _SegmentSum()
+
+
+def segment_sum(x, ids, segments: int):
+    """Rows of `x` [n, ...] added into `segments` rows by `ids` [n], every id in [0, segments)."""
+    return _SEGMENT_SUM(x, ids, segments)
 
 
 def drop_over_capacity(indices, weights, num_experts: int, capacity: int, policy: str):

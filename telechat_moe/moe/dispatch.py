@@ -28,7 +28,7 @@ from mindspore import nn, ops
 
 from parallel.comm import AllToAll, ProcessGroups, transport_for
 from parallel.ep.capacity import exchange_rows
-from parallel.ep.permute import expert_group_sizes, stable_order
+from parallel.ep.permute import expert_group_sizes, segment_sum, stable_order
 from parallel.layout import Axis, ParallelLayout
 
 
@@ -52,7 +52,7 @@ class LocalDispatcher(nn.Cell):
     def combine(self, expert_out, state):
         """expert_out [T*k, h] in dispatch order -> [T, h]."""
         token_of_sorted, w_sorted, t = state
-        return ops.unsorted_segment_sum(expert_out * ops.expand_dims(w_sorted.astype(expert_out.dtype), -1),
+        return segment_sum(expert_out * ops.expand_dims(w_sorted.astype(expert_out.dtype), -1),
                                         token_of_sorted, t)
 
 
@@ -99,10 +99,10 @@ class _ExpertExchange(nn.Cell):
         token = ops.arange(0, rows * k, dtype=ms.int32) // k
         buffer = self.g * capacity
         copies = ops.gather(x, token, 0).astype(self.compute_dtype)
-        send = ops.unsorted_segment_sum(copies, slot, buffer + 1)[:buffer]
+        send = segment_sum(copies, slot, buffer + 1)[:buffer]
         # each row's local expert + 1 (the padding's zeros read as "no expert"), beside the rows: no gradient
         tag = ops.stop_gradient(ops.where(valid, flat % self.per_rank + 1, 0).astype(ms.float32))
-        tags = ops.unsorted_segment_sum(tag, slot, buffer + 1)[:buffer]
+        tags = segment_sum(tag, slot, buffer + 1)[:buffer]
         received = self.exchange(send)
         local = ops.stop_gradient(self.t.all_to_all(tags)).astype(ms.int32) - 1
         key = ops.where(local >= 0, local, self.per_rank)
@@ -112,11 +112,11 @@ class _ExpertExchange(nn.Cell):
 
     def combine(self, expert_out, state):
         order, slot, token, weights, rows = state
-        unsorted = ops.unsorted_segment_sum(expert_out, order, expert_out.shape[0])
+        unsorted = segment_sum(expert_out, order, expert_out.shape[0])
         returned = self.back(unsorted)
         padded = ops.concat((returned, ops.zeros((1, returned.shape[1]), returned.dtype)), 0)
         copies = ops.gather(padded, slot, 0) * ops.expand_dims(weights.astype(returned.dtype), -1)
-        return ops.unsorted_segment_sum(copies, token, rows)
+        return segment_sum(copies, token, rows)
 
 
 class AllToAllDispatcher(nn.Cell):
