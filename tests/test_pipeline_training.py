@@ -12,7 +12,7 @@ import shutil
 
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli
-from tests.test_training import SHORT, sets
+from tests.test_training import NO_EVAL, SHORT, sets
 
 
 def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_process(tmp_path, one_process_tiny):
@@ -49,7 +49,7 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
     for rank in range(4):
         shutil.rmtree(resumed / "checkpoints" / f"rank_{rank}" / "step_00000004")
     proc = run_cli("run_train.py", "--recipe", "tiny", "--resume",
-                   *sets(*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}",
+                   *sets(*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}", NO_EVAL,
                          f"output_dir={resumed}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
