@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import CORPUS, ROOT, assert_one_line_error, free_port, one_msrun_at_a_time, run_cli, run_main
-from tests.test_training import SHORT, _digest, sets
+from tests.test_training import NO_EVAL, SHORT, _digest, sets
 
 # SHORT with a smaller model (2 layers, 4 experts): these runs test files and messages, not learning.
-SMALL = SHORT + ["model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_experts_per_tok=2",
-                 "training.eval_batches=1"]
+SMALL = SHORT + ["model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_experts_per_tok=2", NO_EVAL]
 TOKENIZER_PIECES = 600
 
 
@@ -151,7 +150,7 @@ def test_second_run_is_refused_and_a_resume_rewrites_metrics(earlier_run, tmp_pa
     save): the resumed run replays steps 3 and 4, and metrics.jsonl holds every step once, with the same values."""
     out = tmp_path / "out"
     tokenizer = f"data.tokenizer={earlier_run / 'tokenizer.model'}"
-    common = SMALL + ["training.train_steps=4", "training.save_interval=2", "training.eval_batches=0", tokenizer,
+    common = SMALL + ["training.train_steps=4", "training.save_interval=2", tokenizer,
                       f"output_dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3"}
     first = subprocess.Popen([sys.executable, "run_train.py", "--recipe", "tiny", *sets(*common)], cwd=ROOT, env=env,
