@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from oneline import InputError, OneLineParser
@@ -84,11 +84,6 @@ class FusedKernel:
     intermediate_bytes: int     # their bytes (those of known shape)
     unknown_shapes: int         # intermediates whose bytes the IR does not fix (dynamic shapes)
     file: str
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "scope": self.scope, "ops": self.ops, "intermediates": self.intermediates,
-                "intermediate_bytes": self.intermediate_bytes, "unknown_shapes": self.unknown_shapes,
-                "file": self.file}
 
 
 def _output_types(type_line: str) -> list[Tensor]:
@@ -253,7 +248,7 @@ def main(argv=None) -> int:
         return 2
     print(report(dump, args.all))
     if args.json:
-        Path(args.json).write_text(json.dumps({f: [k.to_json() for k in ks] for f, ks in dump.items()}, indent=1),
+        Path(args.json).write_text(json.dumps({f: [asdict(k) for k in ks] for f, ks in dump.items()}, indent=1),
                                    encoding="utf-8")
     return 0
 

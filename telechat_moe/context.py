@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 import mindspore as ms
 
+from telechat_moe.recipe import FUSION_OP_LISTS
+
 if TYPE_CHECKING:
     from telechat_moe.recipe import ContextConfig, Recipe
 
@@ -58,15 +60,8 @@ def hccl_environment(c: ContextConfig) -> dict[str, str]:
     return {env: str(getattr(c, key)) for key, env in HCCL_ENV.items() if getattr(c, key)}
 
 
-def fusion_on(r: Recipe) -> bool:
-    """Whether the recipe's graphs are compiled with graph-kernel fusion (DVM on Ascend at jit_level O1, AKG on CPU)."""
-    c = r.context
-    return r.fusion.graph_kernel or c.enable_graph_kernel or (c.device_target == "Ascend" and c.jit_level == "O1")
-
-
 def graph_kernel_flags(r: Recipe) -> str:
     """MindSpore's graph-kernel flags for the fusion section: its operator lists, then its own flags."""
-    from telechat_moe.recipe import FUSION_OP_LISTS
     f = r.fusion
     lists = [f"--{key}={','.join(getattr(f, key))}" for key in FUSION_OP_LISTS if getattr(f, key)]
     return " ".join(lists + f.flags.split())

@@ -33,7 +33,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from oneline import InputError, OneLineParser
@@ -138,7 +138,6 @@ class StepProfile:
     step: int
     trainer_step_s: float
     kernels: list[Kernel]
-    graph_phase: list[str] = field(default_factory=list)   # each kernel's phase
 
     @property
     def span_s(self) -> float:
@@ -214,7 +213,7 @@ def load_steps(folder: Path, rank: int = 0, wanted: frozenset[int] | None = None
         inside = [k for k in kernels if start <= k.start_us <= end]
         if not inside:
             raise ProfileError(f"{traces[-1]}: no kernel inside step {step}'s window (a trace of another run?)")
-        out.append(StepProfile(step, trainer, inside, [phase_of(k.name) for k in inside]))
+        out.append(StepProfile(step, trainer, inside))
     return out
 
 
@@ -239,7 +238,7 @@ def _graph_phases(step: StepProfile) -> list[str]:
     it; the kernels after the last backward kernel in no optimizer scope (another graph, e.g. the expert-bias move)
     count as optimizer+gradient preparation."""
     order = sorted(range(len(step.kernels)), key=lambda i: step.kernels[i].start_us)
-    phases, previous = list(step.graph_phase), PHASES[0]
+    phases, previous = [phase_of(k.name) for k in step.kernels], PHASES[0]
     for i in order:
         phases[i] = previous = phases[i] or previous
     last_backward = max((pos for pos, i in enumerate(order) if phases[i] == "backward"), default=None)

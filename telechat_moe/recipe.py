@@ -540,9 +540,14 @@ def _validate_fusion(r: Recipe) -> None:
             f"fusion.graph_kernel: on Ascend graph-kernel fusion (DVM) runs at context.jit_level O1, got "
             f"{c.jit_level}")
     tuned = [key for key in FUSION_OP_LISTS if getattr(f, key)] + (["flags"] if f.flags else []) + [""]
-    require(not tuned[0] or f.graph_kernel or c.enable_graph_kernel or (c.device_target == "Ascend" and
-                                                                      c.jit_level == "O1"),
-            f"fusion.{tuned[0]}: graph-kernel fusion is off; set fusion.graph_kernel: true")
+    require(not tuned[0] or fusion_on(r), f"fusion.{tuned[0]}: graph-kernel fusion is off; set fusion.graph_kernel: "
+                                          f"true")
+
+
+def fusion_on(r: Recipe) -> bool:
+    """Whether the recipe's graphs are compiled with graph-kernel fusion (DVM on Ascend at jit_level O1, AKG on CPU)."""
+    c = r.context
+    return r.fusion.graph_kernel or c.enable_graph_kernel or (c.device_target == "Ascend" and c.jit_level == "O1")
 
 
 def launched_processes(env: Mapping[str, str]) -> int:

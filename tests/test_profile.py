@@ -80,7 +80,7 @@ def test_phases_from_scope_names():
              "Expand/_SoftmaxBackward/Sub-op0", "Default/prepare-PrepareGradients/Square-op0",
              "Expand/_SumExt/ReduceSum-op0", "Default/AssignAdd-op0"]
     kernels = [Kernel(n, 10.0 * i, 5.0) for i, n in enumerate(names)]
-    step = StepProfile(1, 70e-6, kernels, [phase_of(n) for n in names])
+    step = StepProfile(1, 70e-6, kernels)
     assert _graph_phases(step) == ["forward", "forward", "backward", "backward"] + \
         ["optimizer+gradient preparation"] * 3
     assert step.span_s == pytest.approx(65e-6) and step.busy_s == pytest.approx(35e-6)
