@@ -26,7 +26,9 @@ another. 14.8e12 / (2664e3 * 3600) = 1543 tokens/s/GPU. Ours:
 
 Llama 3 405B on 8192 H100 (The Llama 3 Herd of Models, arXiv:2407.21783, table 4; also P. Balaji, SC'24): TP 8,
 CP 1, PP 16, DP 64, sequence 8192, 16M tokens a batch (2048 sequences), 430 TFLOP/s per GPU in BF16 (43% MFU).
-Ours: micro-batch 1, BF16 weights with FP32 gradients, master copy and moments, optimizer sharded over DP,
+Its pipeline (section 3.3.2): interleaved, one layer fewer on the first and on the last stage, so that the first
+chunk of the first stage holds only the embedding and the last chunk of the last stage only the output projection
+and loss: chunks of one layer, 126 + 2 = 16 x 8, so vpp=8. Ours: micro-batch 1, BF16 weights with FP32 gradients, master copy and moments, optimizer sharded over DP,
 sequence parallelism with TP (Megatron's), the 80 GB H100 cluster file. The published figure is TFLOP/s, turned
 into tokens/s with this planner's own FLOPs per token (6N plus causal attention), whose convention may differ from
 Meta's by a few percent.
@@ -35,23 +37,24 @@ TeleChat3 36B dense on 2048 Ascend NPUs (the figure the planner issue quotes: 0.
 sequence 8192 with DP 128, TP 8, PP 2). Ours: the 910B cluster file, global batch 1024 (not stated: 8
 micro-batches of 1 per replica), BF16 weights with FP32 gradients, master copy and moments.
 
-Llama's gap (-16%), looked into and left as it is: its tensor-parallel collectives (an all-gather and a
-reduce-scatter of the sequence around attention and around the FFN, each way: about 1.4 s of the step's exposed
-communication, the rest the pipeline's sends) are priced at 450 GB/s per direction (NVLink 4: 900 GB/s both ways)
-times the cluster's 80% network efficiency = 360 GB/s of bus bandwidth, with the ring's (n-1)/n: the rate NCCL's
-developers expect of all-gather and all-reduce on an 8-GPU H100 node (github.com/NVIDIA/nccl-tests/issues/326), so
-the price is not the error. The model overlaps none of them, nor the pipeline's sends, as this project's
-parallel/tp and pipeline executor run them. Other frameworks hide some: Megatron-Core's sequence-parallel linear
-reduce-scatters the input gradient behind the weight-gradient GEMM (megatron/core/tensor_parallel/layers.py,
-LinearWithGradAccumulationAndAsyncCommunication.backward), about 0.35 s here; Meta reports asynchronous pipeline
-sends (arXiv:2407.21783, section 3.3.2), 0.2 s here (145 tokens/s, -14.6%, with the sends on their own stream).
-Meta does not say how its tensor-parallel collectives run; neither is applied, since both describe another
-framework than the one the planner plans. The rest of the gap is
-the bubble: 17% simulated against (p-1)/(vm+p-1) = 7% for even stages, the stages being uneven (126 layers in 96
-chunks, at the memory limit without recompute).
+Llama's gap (-7.6%): with vpp left to the planner and every chunk made to hold a layer, its best was vpp=6 (126
+layers in 96 chunks, uneven) with a 17% bubble and -16.1%; Meta's cut of one layer per chunk brings the bubble to
+(p-1)/(vm+p-1) = 5.5%. What remains is communication the model leaves exposed: the tensor-parallel collectives (an
+all-gather and a reduce-scatter of the sequence around attention and around the FFN, each way: about 1.4 s of the
+step's exposed communication, the rest the pipeline's sends), priced at 450 GB/s per direction (NVLink 4) times the
+cluster's 80% network efficiency = 360 GB/s of bus bandwidth with the ring's (n-1)/n, the rate NCCL's developers
+expect on an 8-GPU H100 node (github.com/NVIDIA/nccl-tests/issues/326). The model overlaps none of them, nor the
+pipeline's sends, as this project's parallel/tp and pipeline executor run them; Megatron-Core hides the
+sequence-parallel input-gradient reduce-scatter behind the weight-gradient GEMM (about 0.35 s here) and Meta reports
+asynchronous pipeline sends (0.2 s here), neither applied, since they describe other frameworks than the one the
+planner plans.
 
-Target (the planner issue): every run within 15%. Run: python -m bench.planner_published (about a minute; Llama's
-search over 8192 devices is most of it)
+The columns: the mean stage's compute and exposed communication, what the busiest stage adds to them (layers come
+in whole units: DeepSeek-V3's stages hold 3 or 4 MoE layers, and its first holds the embedding alone in chunk 0, so
+the all-to-all of its chunk 1 has no forward of another chunk to hide behind), the pipeline's fill and drain, and
+the update after the last backward.
+
+Target (the planner issue): every run within 15%. Run: python -m bench.planner_published (about 15 s)
 """
 from __future__ import annotations
 
@@ -89,7 +92,8 @@ class Prediction:
     step_time: float
     compute: float  # seconds of the step: the mean stage's compute,
     exposed_comm: float  # its in-pass communication left exposed,
-    bubble: float  # its idle time in the pipeline,
+    imbalance: float  # what the busiest stage's compute and exposed communication add to the mean stage's,
+    bubble: float  # the pipeline's fill and drain (the rest of its idle time),
     update: float  # and the gradient reduction and optimizer after it
     memory_gib: float
     rank: int | None  # the published degrees' best place in the planner's own search (None: not in its space)
@@ -115,8 +119,8 @@ def runs() -> list[PublishedRun]:
                                     recompute="selective", ep_scheme="node_dedup", ep_overlap=True),
                      14.8e12 / (2664e3 * 3600), schedule="dualpipev"),
         PublishedRun("Llama 3 405B, 8192 H100", llama,
-                     ParallelLayout(dp=64, tp=8, pp=16, sp=True, micro_batch_num=32, recompute="none"),
-                     430e12 / llama_flops, unstated=("vpp",)),
+                     ParallelLayout(dp=64, tp=8, pp=16, vpp=8, sp=True, micro_batch_num=32, recompute="none"),
+                     430e12 / llama_flops),
         PublishedRun("TeleChat3 36B, 2048 910B", telechat,
                      ParallelLayout(dp=128, tp=8, pp=2, sp=True, micro_batch_num=8, recompute="none"),
                      0.0633 * 8192, unstated=("vpp",)),
@@ -159,22 +163,23 @@ def predict(run: PublishedRun) -> Prediction:
     layout, sim = best
     pipe, p = sim.result.step_time, layout.pp
     compute, exposed = sum(sim.result.compute) / p, sum(sim.result.exposed_comm) / p
+    busiest = max(c + e for c, e in zip(sim.result.compute, sim.result.exposed_comm))
     schemes = tuple(dict.fromkeys(SearchSpace().ep_scheme + (layout.ep_scheme,)))
     rank, searched = search_rank(w, layout, dataclasses.replace(SearchSpace(), ep_scheme=schemes))
     return Prediction(run, layout, sim.scores["tokens_per_s_per_device"], sim.step_time, compute, exposed,
-                      pipe - compute - exposed, sim.step_time - pipe, max(sim.memory_per_stage) / 2 ** 30, rank,
-                      searched)
+                      busiest - compute - exposed, pipe - busiest, sim.step_time - pipe,
+                      max(sim.memory_per_stage) / 2 ** 30, rank, searched)
 
 
 def main() -> None:
     print(f"{'run':<26} {'published':>9} {'predicted':>9} {'error':>7} {'bubble':>6} | step s = compute + exposed "
-          f"comm + bubble + update | mem GiB | rank in search")
+          f"comm + stage imbalance + bubble + update | mem GiB | rank in search")
     for run in runs():
         r = predict(run)
         lay = r.layout
         print(f"{run.name:<26} {run.tokens_per_s_per_device:9.0f} {r.tokens_per_s_per_device:9.0f} "
               f"{100 * r.error:+6.1f}% {100 * r.bubble / r.step_time:5.1f}% | {r.step_time:.2f} = {r.compute:.2f} + "
-              f"{r.exposed_comm:.2f} + {r.bubble:.2f} + {r.update:.2f} | {r.memory_gib:5.1f} | "
+              f"{r.exposed_comm:.2f} + {r.imbalance:.2f} + {r.bubble:.2f} + {r.update:.2f} | {r.memory_gib:5.1f} | "
               f"{r.rank if r.rank else 'outside'} of {r.searched:,}  (tp{lay.tp} pp{lay.pp} vpp{lay.vpp} dp{lay.dp} "
               f"ep{lay.ep} m{lay.micro_batch_num})", flush=True)
 

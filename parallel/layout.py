@@ -108,8 +108,9 @@ def experts_split(shape, ep, etp=1):
 
 
 def layers_fill_chunks(shape, pp, vpp):
-    """Every one of the pp x vpp pipeline chunks holds at least one layer."""
-    return shape.num_layers >= pp * vpp
+    """Every one of the pp x vpp pipeline chunks holds a layer, save that the first may hold the embedding alone and
+    the last the head and loss alone (Llama 3 405B ran 126 layers as 16 x 8 chunks so: arXiv:2407.21783, 3.3.2)."""
+    return shape.num_layers + 2 >= pp * vpp
 
 
 def tp_within_node(tp, devices_per_node):
@@ -131,7 +132,7 @@ def check_model_fit(shape, tp: int, pp: int, vpp: int, ep: int, devices_per_node
             (experts_split(shape, ep, etp), "etp" if dense and ep == 1 else "ep",
              "ep={ep},etp={etp}: a dense model has no routed experts to split; give ep=1,etp=1" if dense else
              "ep={ep} does not divide the {experts} routed experts"),
-            (layers_fill_chunks(shape, pp, vpp), "pp", "pp*vpp = {chunks} chunks for only {layers} layers"),
+            (layers_fill_chunks(shape, pp, vpp), "pp", "pp*vpp = {chunks} chunks for only {layers} layers and the embedding and head"),
             (tp_within_node(tp, devices_per_node), "tp", "tp={tp} spans more than one node of {node} devices")):
         if not ok:
             raise LayoutError(field, template, tp=tp, ep=ep, etp=etp, chunks=pp * vpp, heads=shape.num_heads,

@@ -97,7 +97,9 @@ class StageChunk(nn.Cell):
         h, aux, z, loads = m.run_layers(h, cos, sin, bias, self.start, self.end)
         aux, z = self.zero + aux, self.zero + z
         if self.last:
-            if len(loads) == 0:     # head_losses stacks the routers' statistics: one zero row, which no router reads
+            if len(loads) == 0 and len(m.mtp) == 0:
+                # head_losses stacks the routers' statistics (each MTP block adds its own): one zero row, which no
+                # router reads
                 loads = [ops.zeros(m.cfg.n_routed_experts + ROUTING_STATS, ms.float32)]
             total, lm, mtp, aux, z, stacked = m.head_losses(h, labels, loss_mask, cos, sin, bias, aux, z, loads)
             parts = ops.stack((total, lm, mtp, aux, z))

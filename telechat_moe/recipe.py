@@ -417,7 +417,8 @@ def validate(r: Recipe, world_size: int | None = None) -> None:
              f"parallelism")
     require(layers_fill_chunks(shape, layout.pp, layout.vpp),
              f"parallel_config.pipeline_stage: {p.pipeline_stage} stages x {p.pp_interleave_num} chunks need at "
-             f"least that many layers, the model has {m.num_hidden_layers}")
+             f"least that many layers less two (the embedding and the head may hold a chunk alone), the model has "
+             f"{m.num_hidden_layers}")
     require(t.global_batch_size >= 1, f"training.global_batch_size: expected a positive integer, got "
                                         f"{t.global_batch_size}")
     require(global_batch_splits(t.global_batch_size, layout.dp, layout.micro_batch_num),

@@ -69,7 +69,8 @@ def test_world_size_and_model_fit():
     check_model_fit(S, tp=8, pp=8, vpp=1, ep=4, devices_per_node=8)
     for kwargs, field, text in ((dict(tp=3), "tp", "tp=3 does not divide the 32 attention heads"),
                                 (dict(ep=5), "ep", "ep=5 does not divide the 192 routed experts"),
-                                (dict(pp=16, vpp=3), "pp", "pp*vpp = 48 chunks for only 45 layers"),
+                                (dict(pp=16, vpp=3), "pp",
+                                 "pp*vpp = 48 chunks for only 45 layers and the embedding and head"),
                                 (dict(tp=16), "tp", "tp=16 spans more than one node of 8 devices")):
         with pytest.raises(LayoutError) as e:
             check_model_fit(S, **{**dict(tp=1, pp=1, vpp=1, ep=1, devices_per_node=8), **kwargs})

@@ -1,5 +1,6 @@
 """Pipeline parallelism in the trainer (telechat_moe/pipeline_step.py) across real processes: tiny on 4 processes as
-pipeline_stage=2 x pp_interleave_num=2 (interleaved 1F1B, the placement MILP's chunks) x data_parallel=2 with
+pipeline_stage=2 x pp_interleave_num=3 (interleaved 1F1B, the placement MILP's chunks: 6 for 4 layers, so the first
+holds the embedding alone and the last the head and MTP alone, as Llama 3 cut its pipeline) x data_parallel=2 with
 expert_parallel=2 inside each stage, 2 micro-batches, against the one-process run: every logged loss and gradient
 norm per step, the held-out loss (a forward-only pass through the pipeline), and precision.compare on the tensor
 dumps of steps 1-2 (every stage's layer outputs, gradients and Adam moments put together); the timeline each rank
@@ -16,16 +17,16 @@ from tests.test_training import NO_EVAL, SHORT, sets
 
 
 def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_process(tmp_path, one_process_tiny):
-    one, out = one_process_tiny, tmp_path / "pp2_vpp2_dp2_ep2"
+    one, out = one_process_tiny, tmp_path / "pp2_vpp3_dp2_ep2"
     proc, logs = msrun(4, tmp_path / "logs", "run_train.py", "--recipe", "tiny",
                        *sets(*SHORT, *PARALLEL_COMMON, "parallel_config.pipeline_stage=2",
-                             "parallel_config.pp_interleave_num=2", "parallel_config.data_parallel=2",
+                             "parallel_config.pp_interleave_num=3", "parallel_config.data_parallel=2",
                              "parallel_config.expert_parallel=2", "parallel_config.micro_batch_num=2",
                              "training.dump_steps=1-2", f"data.tokenizer={one / 'tokenizer.model'}",
                              f"output_dir={out}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
-    assert "[pipeline] layers per chunk" in logs
-    assert_losses_match(one, out, range(1, 5), "pp=2 x vpp=2 x dp=2 x ep=2")
+    assert "[pipeline] layers per chunk [0, 1, 1, 1, 1, 0]" in logs
+    assert_losses_match(one, out, range(1, 5), "pp=2 x vpp=3 x dp=2 x ep=2")
     assert_no_divergence(one, out)
     drawn = run_cli("-m", "scripts.pipeline_timeline", str(out), "--pipeline", "1", "--png-dir", str(tmp_path))
     assert drawn.returncode == 0, drawn.stderr
@@ -53,4 +54,4 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
                          f"output_dir={resumed}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
-    assert_losses_match(one, resumed, (4,), "pp=2 x vpp=2 x dp=2 x ep=2 resumed at pp=1")
+    assert_losses_match(one, resumed, (4,), "pp=2 x vpp=3 x dp=2 x ep=2 resumed at pp=1")
