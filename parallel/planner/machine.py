@@ -1,10 +1,9 @@
 """This machine's rates, measured: what a CPU cluster file (clusters/cpu.yaml) is written from.
 
 fp32 GEMM FLOP/s (numpy/OpenBLAS, large square GEMMs, best of several), attention-shaped batched GEMM FLOP/s
-(their ratio is the attention efficiency), streaming memory bandwidth (array copy), the host link (the rate a
-buffer is copied to host memory, what activation offload moves: on a CPU, whose device is the host, a memcpy
-rate), loopback TCP bandwidth and
-latency between two processes (the transport of msrun's CPU collectives on one machine), the memory total, and,
+(their ratio is the attention efficiency), streaming memory bandwidth (array copy, read plus written: half of it is
+the host link that activation offload uses, the device being the host), loopback TCP bandwidth and latency between
+two processes (the transport of msrun's CPU collectives on one machine), the memory total, and,
 when MindSpore is importable, the per-operator launch overhead of a graph-mode kernel chain and the FLOP/s of
 graph-mode MatMuls of a layer's shape, whose ratio to the large numpy GEMM is the matmul efficiency.
 `calibrate.cluster_document` turns `measure()`'s results into a cluster.
@@ -46,15 +45,6 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     src = np.ones(mib * 2 ** 20 // 4, dtype=np.float32)
     dst = np.empty_like(src)
     return 2 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), repeats)  # read + write
-
-
-def host_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """Bytes per second copied from one host buffer to another (a memcpy of `mib` MiB, best of `repeats`): a CPU
-    device's link to host memory, per direction, as a cluster's host_link states it (bytes moved, not read plus
-    written as `memory_bandwidth` counts them)."""
-    src = np.ones(mib * 2 ** 20 // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    return src.nbytes / _best_seconds(lambda: np.copyto(dst, src), repeats)
 
 
 def _sink(port_queue, total: int) -> None:
@@ -153,7 +143,7 @@ def measure(use_mindspore: bool = True) -> dict:
     """{label: result} of every measurement above (the MindSpore ones only with `use_mindspore`), with a progress
     line per measurement on stderr."""
     steps = [("fp32 GEMM", gemm_flops), ("attention-shaped GEMM", attention_gemm_flops),
-             ("memory bandwidth", memory_bandwidth), ("host link", host_copy_bandwidth),
+             ("memory bandwidth", memory_bandwidth),
              ("loopback link", loopback_link),
              ("memory total", total_memory_bytes)]
     if use_mindspore:
