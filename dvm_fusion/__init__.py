@@ -13,8 +13,9 @@ it and the intermediate tensors it removed.
 
 A hand kernel is an operator written here because MindSpore's own one is missing on CPU or too general: one
 kernel with its own backward, bound to the same contract on both devices.
-- `grouped_matmul.py`: the MoE experts' grouped matmul. CPU: an `ops.Custom` pyfunc over NumPy's BLAS with its
-  own backward; Ascend: a thin binding of MindSpore's `GroupedMatmul` (split_item=3, group_type=0).
+- `grouped_matmul.py`: the MoE experts' grouped matmul. CPU: `ops.Custom` AOT kernels (kernels/grouped_matmul.cc,
+  built by `native.py`) calling NumPy's OpenBLAS on MindSpore's buffers, with their own backward; Ascend: a thin
+  binding of MindSpore's `GroupedMatmul` (split_item=3, group_type=0).
 - `varlen_attention.py`: per-document causal attention. CPU: an `ops.Custom` pyfunc, tiled; Ascend: MindSpore's
   FlashAttentionScore with the TND layout.
 """

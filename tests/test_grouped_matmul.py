@@ -1,5 +1,6 @@
 """The hand-written grouped-matmul kernel (forward and its backward) against a float64 per-expert reference, with
-empty groups and uneven sizes; and the Ascend binding's contract (cumulative group_list)."""
+empty groups, uneven sizes and padding rows; its library's build; and the Ascend binding's contract (cumulative
+group_list)."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,10 +24,10 @@ def test_grouped_matmul_forward_and_backward_match_reference(sizes):
     from dvm_fusion.grouped_matmul import KERNEL_CLOCK, grouped_matmul_cpu
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(0)
-    n, k, m = sum(sizes), 48, 24
-    x = rng.standard_normal((n, k)).astype(np.float32)
+    n, k, m, pad = sum(sizes), 48, 24, 2  # rows past the groups: an expert-parallel receive buffer's padding
+    x = rng.standard_normal((n + pad, k)).astype(np.float32)
     w = rng.standard_normal((len(sizes), k, m)).astype(np.float32)
-    dy = rng.standard_normal((n, m)).astype(np.float32)
+    dy = rng.standard_normal((n + pad, m)).astype(np.float32)
 
     class Net(nn.Cell):
         def __init__(self):
@@ -44,16 +45,41 @@ def test_grouped_matmul_forward_and_backward_match_reference(sizes):
     dw.asnumpy()
     assert KERNEL_CLOCK.take() > 0 and KERNEL_CLOCK.take() == 0, "the kernels' time is counted, once"
     y = grouped_matmul_cpu(Tensor(x), Tensor(w), g).asnumpy()
-    assert_close(y, reference(x, w, sizes), tolerance("float32", k), "forward")
+    assert_close(y[:n], reference(x, w, sizes), tolerance("float32", k), "forward")
     dx_ref = np.concatenate([dy[a:a + s].astype(np.float64) @ w[e].T.astype(np.float64)
                              for e, (a, s) in enumerate(zip(np.cumsum([0] + sizes[:-1]), sizes))])
-    assert_close(dx.asnumpy(), dx_ref, tolerance("float32", m), "dx")
+    assert_close(dx.asnumpy()[:n], dx_ref, tolerance("float32", m), "dx")
+    assert not np.any(y[n:]) and not np.any(dx.asnumpy()[n:]), "padding rows come out zero"
     starts = np.cumsum([0] + sizes[:-1])
     dw_ref = np.stack([x[a:a + s].T.astype(np.float64) @ dy[a:a + s] for a, s in zip(starts, sizes)])
     assert_close(dw.asnumpy(), dw_ref, tolerance("float32", max(sizes)), "dw")
     for e, s in enumerate(sizes):
         if s == 0:
             assert not np.any(dw.asnumpy()[e]), "an expert that saw no token gets no gradient"
+
+
+def test_groups_past_the_rows_stop_the_kernel_instead_of_writing_past_its_buffer():
+    import mindspore as ms
+    from mindspore import Tensor
+    from dvm_fusion.grouped_matmul import grouped_matmul_cpu
+    ms.set_context(mode=ms.GRAPH_MODE)
+    x, w = Tensor(np.ones((4, 8), np.float32)), Tensor(np.ones((2, 8, 3), np.float32))
+    with pytest.raises(RuntimeError, match="function\\(GroupedMatmul\\) is 3"):
+        grouped_matmul_cpu(x, w, Tensor(np.array([3, 3], np.int32))).asnumpy()
+
+
+def test_kernel_library_is_built_once_per_source_and_needs_g_plus_plus(tmp_path, monkeypatch):
+    from dvm_fusion import native
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = native.library("grouped_matmul")
+    assert built.parent == tmp_path / "telechat_moe" / "kernels" and built.stat().st_size > 0
+    stamp = built.stat().st_mtime_ns
+    assert native.library("grouped_matmul") == built and built.stat().st_mtime_ns == stamp
+    assert [p.name for p in built.parent.glob("*.tmp")] == []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.KernelBuildError, match="grouped_matmul.cc: building the CPU kernels needs g\\+\\+"):
+        native.library("grouped_matmul")
 
 
 def test_kernel_choice_follows_the_device():
