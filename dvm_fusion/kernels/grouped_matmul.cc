@@ -68,6 +68,29 @@ bool groups_fit(const int32_t *sizes, int64_t experts, int64_t rows) {
   return total <= rows;
 }
 
+// y[rows of e] = a[rows of e] @ w[e] (or @ w[e]^T): a [N, k], w [E, in, out], sizes [E] -> y [N, n]; the forward
+// (a = x, k = in, n = out) and dx (a = dy, k = out, n = in, transposed) are this one loop.
+int row_groups(int nparam, void **params, int64_t **shapes, const char **dtypes, bool transpose_w) {
+  if (!float32_io(nparam, dtypes)) return 1;
+  Sgemm gemm = sgemm();
+  if (!gemm) return 2;
+  const float *a = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
+  const int32_t *sizes = static_cast<const int32_t *>(params[2]);
+  float *y = static_cast<float *>(params[3]);
+  const int64_t rows = shapes[0][0], k = shapes[0][1], experts = shapes[1][0], ldw = shapes[1][2];
+  const int64_t n = transpose_w ? shapes[1][1] : shapes[1][2], stride = shapes[1][1] * shapes[1][2];
+  if (!groups_fit(sizes, experts, rows)) return 3;
+  int64_t at = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (sizes[e] > 0)
+      gemm(kRowMajor, kNoTrans, transpose_w ? kTrans : kNoTrans, sizes[e], n, k, 1.0f, a + at * k, k, w + e * stride,
+           ldw, 0.0f, y + at * n, n);
+    at += sizes[e];
+  }
+  std::memset(y + at * n, 0, sizeof(float) * (rows - at) * n);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -76,44 +99,12 @@ extern "C" {
 // 3: group sizes that do not fit in the rows.
 int GroupedMatmul(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
   Timed timed;
-  if (!float32_io(nparam, dtypes)) return 1;
-  Sgemm gemm = sgemm();
-  if (!gemm) return 2;
-  const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
-  const int32_t *sizes = static_cast<const int32_t *>(params[2]);
-  float *y = static_cast<float *>(params[3]);
-  const int64_t rows = shapes[0][0], in = shapes[0][1], experts = shapes[1][0], out = shapes[1][2];
-  if (!groups_fit(sizes, experts, rows)) return 3;
-  int64_t at = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (sizes[e] > 0)
-      gemm(kRowMajor, kNoTrans, kNoTrans, sizes[e], out, in, 1.0f, x + at * in, in, w + e * in * out, out, 0.0f,
-           y + at * out, out);
-    at += sizes[e];
-  }
-  std::memset(y + at * out, 0, sizeof(float) * (rows - at) * out);
-  return 0;
+  return row_groups(nparam, params, shapes, dtypes, false);
 }
 
 int GroupedMatmulDx(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
   Timed timed;
-  if (!float32_io(nparam, dtypes)) return 1;
-  Sgemm gemm = sgemm();
-  if (!gemm) return 2;
-  const float *dy = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
-  const int32_t *sizes = static_cast<const int32_t *>(params[2]);
-  float *dx = static_cast<float *>(params[3]);
-  const int64_t rows = shapes[0][0], experts = shapes[1][0], in = shapes[1][1], out = shapes[1][2];
-  if (!groups_fit(sizes, experts, rows)) return 3;
-  int64_t at = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (sizes[e] > 0)
-      gemm(kRowMajor, kNoTrans, kTrans, sizes[e], in, out, 1.0f, dy + at * out, out, w + e * in * out, out, 0.0f,
-           dx + at * in, in);
-    at += sizes[e];
-  }
-  std::memset(dx + at * in, 0, sizeof(float) * (rows - at) * in);
-  return 0;
+  return row_groups(nparam, params, shapes, dtypes, true);
 }
 
 int GroupedMatmulDw(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
