@@ -15,12 +15,18 @@ call is checked against the installed package's signatures by tests/test_context
 | memory_optimize_level | `ms.runtime.set_memory(optimize_level=...)` | CPU, Ascend |
 | deterministic: ON | `ms.set_deterministic(True)` (also sets HCCL_DETERMINISTIC, TE_PARALLEL_COMPILER) | CPU, Ascend |
 | hccl_connect_timeout, hccl_exec_timeout, hccl_buffsize | `os.environ[HCCL_...]` | Ascend |
+| compile_cache | `os.environ[MS_COMPILER_CACHE_ENABLE, MS_COMPILER_CACHE_PATH]` (a folder per key: see below) | CPU, Ascend |
 
 Graph-kernel fusion has one switch per device: on Ascend jit_level O1 is DVM, MindSpore's own fusion (a recipe at O1
 fuses; fusion.graph_kernel asks for O1 there); on CPU jit_level O1 alone fuses nothing and enable_graph_kernel turns on
 AKG (context.enable_graph_kernel, MindFormers' key, and fusion.graph_kernel are the same switch). The flags and the IR
 dump go through the environment variables MindSpore 2.9's set_context points to (read when a graph compiles); the IR
 dump keeps only the built kernel graphs (`graph_build_*.ir`, what `python -m dvm_fusion.report` reads).
+
+MindSpore's compile cache reuses a graph when the Python sources it was built from are unchanged; values that only
+a recipe changes (`--set model.hidden_size=...`) would not invalidate it, so each cache folder is named by a hash of
+the whole recipe but its output_dir, this project's sources and MindSpore's version: a graph is only ever loaded by
+the run that would have compiled the same one.
 
 On CPU, max_device_memory_gb stays the planner's and the fit check's budget only (MindSpore ignores a memory cap on
 CPU) and the HCCL variables are not set (the CPU transport is mccl). A setting at its default makes no call.
@@ -29,11 +35,16 @@ the same process (tests, calibration) must ask for the same values, or it raises
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from importlib.metadata import version
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mindspore as ms
 
+from data_sched.default_corpus import cache_dir
 from telechat_moe.recipe import FUSION_OP_LISTS
 
 if TYPE_CHECKING:
@@ -97,6 +108,27 @@ def memory_settings(c: ContextConfig) -> dict[str, str]:
     return out
 
 
+# the packages whose sources build the graphs
+SOURCE_PACKAGES = ("telechat_moe", "parallel", "dvm_fusion", "precision", "data_sched")
+
+
+def compile_cache_dir(r: Recipe) -> Path:
+    """The compile cache's folder for this recipe (see the module docstring)."""
+    recipe = {k: v for k, v in r.to_dict().items() if k != "output_dir"}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
+    digest.update(version("mindspore").encode())
+    root = Path(__file__).resolve().parents[1]
+    for source in sorted(f for pkg in SOURCE_PACKAGES for f in (root / pkg).rglob("*") if f.suffix in (".py", ".cc")):
+        digest.update(source.read_bytes())
+    return cache_dir() / "graphs" / digest.hexdigest()[:16]
+
+
+def compile_cache_environment(r: Recipe) -> dict[str, str]:
+    if not r.context.compile_cache:
+        return {}
+    return {"MS_COMPILER_CACHE_ENABLE": "1", "MS_COMPILER_CACHE_PATH": str(compile_cache_dir(r))}
+
+
 def _refuse_change(once: dict) -> None:
     """A once-per-process setting this process has applied, asked for with another value (its default included):
     refused before anything is set."""
@@ -115,6 +147,7 @@ def configure_mindspore(r: Recipe) -> None:
     _refuse_change(once)
     os.environ.update(hccl_environment(c))
     os.environ.update(fusion_environment(r))
+    os.environ.update(compile_cache_environment(r))
     ms.set_context(mode=c.mode, jit_config={"jit_level": c.jit_level})
     # MindSpore fixes the device once kernels have run; setting the same one again would be refused.
     if ms.get_context("device_target") != c.device_target:

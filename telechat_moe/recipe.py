@@ -160,6 +160,9 @@ class ContextConfig:
     hccl_exec_timeout: int = 0            # seconds a collective waits for its peers, HCCL_EXEC_TIMEOUT (HCCL: 1836)
     hccl_buffsize: int = 0                # MB of buffer per communicator, HCCL_BUFFSIZE (HCCL: 200)
     peak_tflops: float = 0.0              # for MFU; 0: measured fp32 GEMM FLOP/s of this machine
+    # keep compiled graphs between runs (MindSpore's compile cache, keyed here by the recipe, the code and MindSpore's
+    # version): a re-run or resume of the same recipe skips the graph compile
+    compile_cache: bool = False
 
 
 @dataclass

@@ -91,6 +91,37 @@ def test_tiny_recipe_trains_and_learns(tmp_path):
     assert kept == ["step_00000075", "step_00000100"]
 
 
+# ---- compile cache -------------------------------------------------------------------------------------------
+def test_compile_cache_is_keyed_by_the_recipe_but_not_its_output_dir():
+    from telechat_moe.context import compile_cache_dir
+    from telechat_moe.recipe import load_recipe
+    base = compile_cache_dir(load_recipe("tiny", ["output_dir=a"]))
+    assert compile_cache_dir(load_recipe("tiny", ["output_dir=b"])) == base
+    assert compile_cache_dir(load_recipe("tiny", ["output_dir=a", "model.moe_z_loss_coeff=1e-3"])) != base
+
+
+def test_a_second_run_loads_its_graphs_from_the_compile_cache(tmp_path):
+    """MindSpore's compile cache: the second run of a recipe says it uses the cache (MindSpore's own warning), writes
+    nothing new into its cache folder (every graph, training and held-out evaluation, loaded) and logs the first
+    run's losses exactly."""
+    import shutil
+    from telechat_moe.context import compile_cache_dir
+    from telechat_moe.recipe import load_recipe
+    settings = [*SHORT, "training.train_steps=2", "context.compile_cache=true"]
+    cache = compile_cache_dir(load_recipe("tiny", settings))
+    shutil.rmtree(cache, ignore_errors=True)
+    runs = []
+    for name in ("first", "second"):
+        proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*settings, f"output_dir={tmp_path / name}"),
+                       env={"GLOG_v": "2"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("Use the compilation cache" in proc.stderr) == (name == "second")
+        runs.append((metrics(tmp_path / name), {f: f.stat().st_mtime_ns for f in cache.rglob("*") if f.is_file()}))
+    (first, written), (second, after) = runs
+    assert written and after == written
+    assert [first[s]["loss"] for s in (1, 2)] == [second[s]["loss"] for s in (1, 2)]
+
+
 # ---- resume ---------------------------------------------------------------------------------------------------
 def test_resume_after_kill_is_exact(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
