@@ -28,8 +28,9 @@ Llama 3 405B on 8192 H100 (The Llama 3 Herd of Models, arXiv:2407.21783, table 4
 CP 1, PP 16, DP 64, sequence 8192, 16M tokens a batch (2048 sequences), 430 TFLOP/s per GPU in BF16 (43% MFU).
 Its pipeline (section 3.3.2): interleaved, one layer fewer on the first and on the last stage, so that the first
 chunk of the first stage holds only the embedding and the last chunk of the last stage only the output projection
-and loss: chunks of one layer, 126 + 2 = 16 x 8, so vpp=8. Ours: micro-batch 1, BF16 weights with FP32 gradients, master copy and moments, optimizer sharded over DP,
-sequence parallelism with TP (Megatron's), the 80 GB H100 cluster file. The published figure is TFLOP/s, turned
+and loss: chunks of one layer, 126 + 2 = 16 x 8, so vpp=8. Ours: micro-batch 1, BF16 weights with FP32
+gradients, master copy and moments, optimizer sharded over DP, sequence parallelism with TP (Megatron's), the 80 GB
+H100 cluster file. The published figure is TFLOP/s, turned
 into tokens/s with this planner's own FLOPs per token (6N plus causal attention), whose convention may differ from
 Meta's by a few percent.
 

@@ -14,6 +14,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from data_sched.default_corpus import cache_dir
+
 SOURCES = Path(__file__).resolve().parent / "kernels"
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 
@@ -22,15 +24,11 @@ class KernelBuildError(RuntimeError):
     pass
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "telechat_moe" / "kernels"
-
-
 def library(name: str) -> Path:
     """The built library of kernels/<name>.cc, building it if this source has not been built yet."""
     source = SOURCES / f"{name}.cc"
     digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{digest}.so"
+    target = cache_dir() / "kernels" / f"{name}-{digest}.so"
     if target.exists():
         return target
     compiler = shutil.which("g++")

@@ -132,7 +132,8 @@ def check_model_fit(shape, tp: int, pp: int, vpp: int, ep: int, devices_per_node
             (experts_split(shape, ep, etp), "etp" if dense and ep == 1 else "ep",
              "ep={ep},etp={etp}: a dense model has no routed experts to split; give ep=1,etp=1" if dense else
              "ep={ep} does not divide the {experts} routed experts"),
-            (layers_fill_chunks(shape, pp, vpp), "pp", "pp*vpp = {chunks} chunks for only {layers} layers and the embedding and head"),
+            (layers_fill_chunks(shape, pp, vpp), "pp",
+             "pp*vpp = {chunks} chunks for only {layers} layers and the embedding and head"),
             (tp_within_node(tp, devices_per_node), "tp", "tp={tp} spans more than one node of {node} devices")):
         if not ok:
             raise LayoutError(field, template, tp=tp, ep=ep, etp=etp, chunks=pp * vpp, heads=shape.num_heads,
