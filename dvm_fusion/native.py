@@ -1,15 +1,16 @@
 """The hand-written CPU kernels' shared libraries, built from `kernels/<name>.cc` with the machine's g++ on first use.
 
-MindSpore runs an AOT `ops.Custom` kernel from a shared library; each is built once per source text into
-$XDG_CACHE_HOME/telechat_moe/kernels (~/.cache/...), named by the source's hash, so an edited kernel is rebuilt and
-an unchanged one is not. Processes starting together (msrun's ranks, test workers) build it once: the first holds a
-file lock, the others wait and find the library.
+MindSpore runs an AOT `ops.Custom` kernel from a shared library; each is built once per source text and CPU into
+$XDG_CACHE_HOME/telechat_moe/kernels (~/.cache/...), named by a hash of both (the build targets the CPU it runs on),
+so an edited kernel is rebuilt and an unchanged one is not. Processes starting together (msrun's ranks, test
+workers) build it once: the first holds a file lock, the others wait and find the library.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +18,22 @@ from pathlib import Path
 from data_sched.default_corpus import cache_dir
 
 SOURCES = Path(__file__).resolve().parent / "kernels"
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
+# -march=native and no FP traps: the row kernels' loops vectorize only so (rowwise.cc's SwiGLU: 7.5 -> 0.6 ms on
+# tiny's [4096, 384]); the library is then tied to the CPU that built it, which its name's hash covers.
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+
+
+def cpu_identity() -> str:
+    """The machine and its CPU's model and feature flags, as /proc/cpuinfo gives them (Linux); else the machine."""
+    lines = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":")[0].strip()
+            if key in ("model name", "flags", "Features", "CPU part") and line not in lines:
+                lines.append(line)
+    except OSError:
+        pass
+    return platform.machine() + "\n" + "\n".join(lines)
 
 
 class KernelBuildError(RuntimeError):
@@ -27,7 +43,7 @@ class KernelBuildError(RuntimeError):
 def library(name: str) -> Path:
     """The built library of kernels/<name>.cc, building it if this source has not been built yet."""
     source = SOURCES / f"{name}.cc"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{digest}.so"
     if target.exists():
         return target

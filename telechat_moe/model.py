@@ -41,14 +41,14 @@ class DecoderLayer(nn.Cell):
         super().__init__()
         name = name or f"layers.{index}"
         self.is_moe = cfg.is_moe_layer(index)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target)
         self.self_attn = MultiLatentAttention(cfg, device_target, seed, f"{name}.self_attn", tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, grouped_matmul, index, ep, tp, seed, f"{name}.mlp")
+            self.mlp = MoELayer(cfg, grouped_matmul, index, ep, tp, seed, f"{name}.mlp", device_target)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
-                              ms_dtype(cfg.compute_dtype), seed, f"{name}.mlp", tp)
+                              ms_dtype(cfg.compute_dtype), seed, f"{name}.mlp", tp, device_target)
         self.zero = Tensor(0.0, ms.float32)
         self.no_load = Tensor(np.zeros(cfg.n_routed_experts + ROUTING_STATS, np.float32))
 
@@ -112,7 +112,7 @@ class TeleChatMoE(nn.Cell):
         self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep, tp, seed) if i in parts.layers
                                    else AbsentLayer(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)])
         tail = parts.tail
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if tail else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target) if tail else None
         # The head computes in float32 (logits feed the softmax) and runs as its own cell, so a pipeline plan
         # that gives lm_head a stage moves its matmul there, not only its weight. Over tp its output is this
         # rank's vocabulary columns.
@@ -122,7 +122,7 @@ class TeleChatMoE(nn.Cell):
         self.vocab_cross_entropy = VocabParallelCrossEntropy(tp.transport) if tp.tp > 1 and tail else None
         self.mtp = nn.CellList([
             MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed,
-                                       f"mtp.{d}.block"), seed, f"mtp.{d}", tp)
+                                       f"mtp.{d}.block"), seed, f"mtp.{d}", tp, device_target)
             for d in range(cfg.num_nextn_predict_layers if tail else 0)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)

@@ -34,13 +34,13 @@ class SequenceParallelProjection(ColumnParallelLinear):
 
 class MTPBlock(nn.Cell):
     def __init__(self, cfg: ModelConfig, block: nn.Cell, seed: int = 0, name: str = "mtp.0",
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = TensorParallel(), device_target: str = "CPU"):
         """Over tp, eh_proj is column-parallel with its output gathered (the block's input is the residual stream
         of its twin decoder layers: replicated, or the rank's sequence shard)."""
         super().__init__()
         h, std, cdt = cfg.hidden_size, cfg.initializer_range, ms_dtype(cfg.compute_dtype)
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, device_target)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, device_target)
         seed = weight_seed(seed, f"{name}.eh_proj")
         if tp.tp == 1:
             self.eh_proj = Linear(2 * h, h, std, cdt, seed)
@@ -49,7 +49,7 @@ class MTPBlock(nn.Cell):
         else:
             self.eh_proj = ColumnParallelLinear(2 * h, h, tp.transport, std, cdt, gather_output=True, seed=seed)
         self.block = block
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, device_target)
 
     def construct(self, hidden, next_embeds, cos, sin, mask):
         h = self.eh_proj(ops.cat((self.enorm(next_embeds), self.hnorm(hidden)), -1))

@@ -30,6 +30,7 @@ from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
 from dvm_fusion.grouped_matmul import KERNEL_CLOCK
+from dvm_fusion.square_sums import square_sums_for
 from parallel.comm import AllReduce, ProcessGroups, transport_for
 from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
@@ -92,14 +93,20 @@ class PrepareGradients(nn.Cell):
     gradient."""
 
     def __init__(self, weights: ParameterTuple, kinds: tuple, dp: int, clip: float, comm: "GradientGroups",
-                 counted: tuple | None = None, pp=None):
+                 counted: tuple | None = None, pp=None, device_target: str = "CPU"):
         """Under pipeline parallelism `pp` is the pipeline group's transport, whose stages' squares the norm adds,
         and `counted[i]` says whether weight i counts in the norm (a copy of a weight another stage also holds
         counts once)."""
         super().__init__(auto_prefix=False)
         self.map = ops.HyperMap()
         self.kinds = kinds
-        self.counted = counted or (True,) * len(kinds)
+        counted = counted or (True,) * len(kinds)
+        # which gradients' squares each partial sum adds: those summed over ranks later (the tp slices' over tp,
+        # the expert shards' over EP) apart from the dense ones
+        self.dense_mask, self.tp_mask, self.expert_mask = (
+            Tensor(np.array([float(c and k in of) for k, c in zip(kinds, counted)], np.float32))
+            for of in ((REPLICATED, PARTIAL), (TP_SHARD,), (EXPERT,)))
+        self.square_sums = square_sums_for(device_target)
         self.dense_sum = AllReduce(comm.dp)
         self.tp_sum = AllReduce(comm.tp)
         self.expert_sum = AllReduce(comm.edp)
@@ -113,23 +120,17 @@ class PrepareGradients(nn.Cell):
         # gradient at the end (factor x raw sum), and the norm is the raw sums' norm times the unscaling: three
         # elementwise passes over every gradient fewer than scaling first (on tiny, 90 of 1400 ms a step).
         reduced = ()
-        dense_sq, tp_sq, expert_sq = ops.zeros((), ms.float32), ops.zeros((), ms.float32), ops.zeros((), ms.float32)
         for i in range(len(grads)):
-            weight = 1.0 if self.counted[i] else 0.0
             if self.kinds[i] == EXPERT:
                 g = self.expert_sum(grads[i])
-                expert_sq = expert_sq + weight * sum_squares(g)
-            elif self.kinds[i] == TP_SHARD:
-                g = self.dense_sum(grads[i])
-                tp_sq = tp_sq + weight * sum_squares(g)
             elif self.kinds[i] == PARTIAL:
                 g = self.tp_sum(self.dense_sum(grads[i]))
-                dense_sq = dense_sq + weight * sum_squares(g)
             else:
                 g = self.dense_sum(grads[i])
-                dense_sq = dense_sq + weight * sum_squares(g)
             reduced = reduced + (g,)
-        squares = dense_sq + self.tp_sum(tp_sq) + self.shard_sum(expert_sq)
+        each = self.square_sums(reduced)          # one kernel on CPU instead of about five per gradient
+        squares = ((each * self.dense_mask).sum() + self.tp_sum((each * self.tp_mask).sum())
+                   + self.shard_sum((each * self.expert_mask).sum()))
         if self.stage_sum is not None:
             squares = self.stage_sum(squares)
         unscale = grad_scale / self.dp
@@ -157,13 +158,6 @@ class GradientGroups:
 def is_routed_expert(name: str) -> bool:
     """A routed expert's weight, or one of its optimizer moments: sharded over the EP group along dim 0."""
     return ".experts." in f".{name}"
-
-
-def sum_squares(g):
-    """The sum of g's squares in float32, reduced along the last axis first: MindSpore's CPU ReduceSum over all
-    axes of a tensor at once was 5x slower (and a float32 L2Loss 3x faster but 8e-4 off on 3M elements)."""
-    squares = ops.square(g.astype(ms.float32))
-    return ops.sum(ops.sum(squares.reshape(-1, squares.shape[-1]), -1)) if g.ndim > 1 else ops.sum(squares)
 
 
 def zero_out(p):
@@ -350,7 +344,8 @@ class Trainer:
         kinds = tuple(gradient_kind(w.name, self.model, self._tp_axes) for w in self.weights)
 
         def prepare(counted=None, pp=None):
-            return PrepareGradients(self.weights, kinds, p.data_parallel, o.grad_clip, self.groups, counted, pp)
+            return PrepareGradients(self.weights, kinds, p.data_parallel, o.grad_clip, self.groups, counted, pp,
+                                    device)
 
         self.router_rows, mlps = routed_layers(self.model)
         if self.plan:

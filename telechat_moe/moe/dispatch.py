@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import nn, ops
 
+from dvm_fusion.rowwise import WeightedCombineCPU
 from parallel.comm import AllToAll, ProcessGroups, transport_for
 from parallel.ep.capacity import exchange_rows
 from parallel.ep.permute import expert_group_sizes, segment_sum, stable_order
@@ -33,9 +34,11 @@ from parallel.layout import Axis, ParallelLayout
 
 
 class LocalDispatcher(nn.Cell):
-    def __init__(self, num_experts: int, top_k: int):
+    def __init__(self, num_experts: int, top_k: int, device_target: str = "CPU"):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        # on CPU one kernel each way instead of a broadcast Mul and a segment sum (dvm_fusion/rowwise.py)
+        self.fused_combine = None if device_target == "Ascend" else WeightedCombineCPU(top_k)
 
     def dispatch(self, x, indices, weights):
         """x [T, h], indices/weights [T, k] (expert -1: a dropped copy, weight 0) -> (tokens [T*k, h] sorted by
@@ -52,6 +55,8 @@ class LocalDispatcher(nn.Cell):
     def combine(self, expert_out, state):
         """expert_out [T*k, h] in dispatch order -> [T, h]."""
         token_of_sorted, w_sorted, t = state
+        if self.fused_combine is not None:
+            return self.fused_combine(expert_out, w_sorted, token_of_sorted)
         return segment_sum(expert_out * ops.expand_dims(w_sorted.astype(expert_out.dtype), -1),
                                         token_of_sorted, t)
 
@@ -200,9 +205,9 @@ class ExpertParallel:
 
 
 def make_dispatcher(num_experts: int, top_k: int, ep: ExpertParallel, compute_dtype=ms.float32,
-                    capacity_factor: float | None = None):
+                    capacity_factor: float | None = None, device_target: str = "CPU"):
     if ep.ep == 1:
-        return LocalDispatcher(num_experts, top_k)
+        return LocalDispatcher(num_experts, top_k, device_target)
     if ep.kind == "hierarchical":
         return HierarchicalDispatcher(num_experts, top_k, ep.across_nodes, ep.in_node, compute_dtype, capacity_factor)
     return AllToAllDispatcher(num_experts, top_k, ep.group, compute_dtype, capacity_factor)

@@ -5,14 +5,17 @@ holds (all of them, or its expert-parallel share [first, last)). Each expert's i
 generator of its own, seeded by (seed, layer, expert), so an expert starts the same whichever rank holds it and a
 run at any expert_parallel computes the same function as one process. `spare` slots (w1_spare, w2_spare) hold
 replicas of hot experts (telechat_moe/moe/replicas.py), zero while empty; they follow the home slots in the grouped
-matmul. The kernel is injected (CPU hand-written kernel or Ascend GroupedMatmul, both dropless with the same
-contract), so fused or communication-overlapped expert kernels can replace it without touching routing or dispatch.
+matmul. The kernels are injected (grouped matmul: CPU hand-written kernel or Ascend GroupedMatmul, both dropless
+with the same contract; SwiGLU over the packed gate|up rows: CPU kernel or MindSpore's operators), so fused or
+communication-overlapped expert kernels can replace them without touching routing or dispatch.
 """
 from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
+
+from dvm_fusion.rowwise import swiglu_packed_reference
 
 
 def expert_init(seed: int, layer: int, first: int, last: int, shape: tuple, std: float, which: int) -> np.ndarray:
@@ -23,7 +26,7 @@ def expert_init(seed: int, layer: int, first: int, last: int, shape: tuple, std:
 
 class GroupedExperts(nn.Cell):
     def __init__(self, experts: tuple[int, int], hidden: int, intermediate: int, init_std: float, grouped_matmul,
-                 compute_dtype=ms.float32, layer: int = 0, spare: int = 0):
+                 compute_dtype=ms.float32, layer: int = 0, spare: int = 0, swiglu=swiglu_packed_reference):
         super().__init__()
         first, last = experts
         seed = ms.get_seed() or 0
@@ -37,7 +40,7 @@ class GroupedExperts(nn.Cell):
             self.w1_spare = Parameter(Tensor(np.zeros((spare, hidden, 2 * intermediate), np.float32)),
                                       name="w1_spare")
             self.w2_spare = Parameter(Tensor(np.zeros((spare, intermediate, hidden), np.float32)), name="w2_spare")
-        self.grouped_matmul = grouped_matmul
+        self.grouped_matmul, self.swiglu = grouped_matmul, swiglu
         self.compute_dtype = compute_dtype
 
     def construct(self, tokens, group_sizes):
@@ -46,5 +49,4 @@ class GroupedExperts(nn.Cell):
         if self.spare:
             w1, w2 = ops.concat((w1, self.w1_spare), 0), ops.concat((w2, self.w2_spare), 0)
         gate_up = self.grouped_matmul(tokens.astype(cdt), w1.astype(cdt), group_sizes)
-        act = ops.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-        return self.grouped_matmul(act, w2.astype(cdt), group_sizes)
+        return self.grouped_matmul(self.swiglu(gate_up), w2.astype(cdt), group_sizes)

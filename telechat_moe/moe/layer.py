@@ -16,6 +16,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
+from dvm_fusion.rowwise import swiglu_packed_for
 from parallel.ep.capacity import expert_capacity
 from parallel.ep.counts import dispatch_counts
 from parallel.ep.permute import drop_over_capacity
@@ -33,7 +34,7 @@ ROUTING_STATS = 4   # the traffic counts after the expert load in a layer's rout
 
 class MoELayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, grouped_matmul, layer: int = 0, ep: ExpertParallel = ExpertParallel(),
-                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp"):
+                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp", device_target: str = "CPU"):
         super().__init__()
         cdt = ms_dtype(cfg.compute_dtype)
         self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), tp)
@@ -42,13 +43,14 @@ class MoELayer(nn.Cell):
         self.slots = ExpertSlots(cfg.n_routed_experts, ep.ep, ep.spare_slots) if ep.spare_slots else None
         self.slots_per_rank = cfg.n_routed_experts // ep.ep + ep.spare_slots
         self.dispatcher = make_dispatcher(ep.ep * self.slots_per_rank, cfg.num_experts_per_tok, ep, cdt,
-                                          cfg.moe_expert_capacity_factor)
+                                          cfg.moe_expert_capacity_factor, device_target)
         self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
-                                      cfg.initializer_range, grouped_matmul, cdt, layer, ep.spare_slots)
+                                      cfg.initializer_range, grouped_matmul, cdt, layer, ep.spare_slots,
+                                      swiglu_packed_for(device_target))
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
-                                     cfg.initializer_range, cdt, seed, f"{name}.shared_experts", tp)
+                                     cfg.initializer_range, cdt, seed, f"{name}.shared_experts", tp, device_target)
         # the rank's token share under tp without sequence parallelism: split off, and the outputs gathered back
         self.split = tp.tp > 1 and not tp.sp
         if self.split:
