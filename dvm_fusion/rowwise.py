@@ -5,6 +5,8 @@
   backward were about ten kernels per MoE layer).
 - `swiglu(gate, up)`: the same product of two tensors (the dense FFN and the shared expert).
 - `RmsNormCPU(eps)`: RMSNorm of float32 rows (the composition is about eight kernels forward and twenty backward).
+- `BiasSoftmaxCPU(scale)`: attention's softmax(scores * scale + mask) (a Mul, an Add and a Softmax forward; the
+  softmax gradient's expansion, the mask's broadcast gradient and a Mul backward).
 - `WeightedCombineCPU(top_k)`: the local dispatcher's combine, out[token[r]] += weight[r] * y[r] over the expert
   outputs in dispatch order (a broadcast Mul and a segment sum before, and their backward).
 
@@ -109,6 +111,32 @@ class RmsNormCPU(nn.Cell):
 
     def construct(self, x, weight):
         return self.kernel(x, weight, self.eps)
+
+
+@cache
+def _bias_softmax_cpu():
+    lib = library("rowwise")
+    grad = ops.Custom(f"{lib}:BiasSoftmaxGrad", out_shape=lambda probs, dprobs, scale: probs, out_dtype=_float32,
+                      func_type="aot")
+
+    def bprop(scores, bias, scale, out, dout):
+        # the bias is attention's document mask, built from segment ids: nothing upstream takes its gradient
+        return grad(out, dout, scale), ops.zeros_like(bias), ops.zeros_like(scale)
+
+    return ops.Custom(f"{lib}:BiasSoftmax", out_shape=lambda scores, bias, scale: scores, out_dtype=_float32,
+                      func_type="aot", bprop=bprop)
+
+
+class BiasSoftmaxCPU(nn.Cell):
+    """scores [b, heads, s, t] float32, bias [b, 1, s, t] float32 -> softmax(scores * scale + bias, -1)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.kernel = _bias_softmax_cpu()
+        self.scale = Tensor(np.array([scale], np.float32))
+
+    def construct(self, scores, bias):
+        return self.kernel(scores, bias, self.scale)
 
 
 @cache

@@ -18,6 +18,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from dvm_fusion.rowwise import BiasSoftmaxCPU
+
 from telechat_moe.config import ModelConfig, yarn_mscale
 from parallel.tp.mappings import EnterRegion, TensorParallel
 from telechat_moe.layers import Linear, RMSNorm, column_linear, ms_dtype, row_linear, weight_seed
@@ -75,11 +77,15 @@ def attention_bias(segment_ids, causal: Tensor):
     return ops.expand_dims((1.0 - visible.astype(ms.float32)) * MASK_VALUE, 1)
 
 
-def dense_causal_attention(query, key, value, bias, scale: float, softmax_dtype, compute_dtype):
-    """softmax(q k^T * scale + bias) v over the full [s, s] score matrix; `bias` masks across documents."""
-    scores = ops.BatchMatMul(transpose_b=True)(query, key).astype(softmax_dtype) * scale + bias
-    probs = ops.softmax(scores, -1).astype(compute_dtype)
-    return ops.BatchMatMul()(probs, value.astype(compute_dtype))
+def dense_causal_attention(query, key, value, bias, scale: float, softmax_dtype, compute_dtype, fused_softmax=None):
+    """softmax(q k^T * scale + bias) v over the full [s, s] score matrix; `bias` masks across documents.
+    `fused_softmax(scores, bias)`: one kernel for the scaling, masking and softmax (dvm_fusion/rowwise.py)."""
+    scores = ops.BatchMatMul(transpose_b=True)(query, key).astype(softmax_dtype)
+    if fused_softmax is None:
+        probs = ops.softmax(scores * scale + bias, -1)
+    else:
+        probs = fused_softmax(scores, bias)
+    return ops.BatchMatMul()(probs.astype(compute_dtype), value.astype(compute_dtype))
 
 
 class AttentionCore(nn.Cell):
@@ -95,11 +101,14 @@ class AttentionCore(nn.Cell):
             self.varlen_attention = attention_kernel_for(device_target)
         self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
         self.compute_dtype = ms_dtype(cfg.compute_dtype)
+        self.fused_softmax = (BiasSoftmaxCPU(self.scale) if device_target != "Ascend" and not self.varlen
+                              and self.softmax_dtype == ms.float32 else None)
 
     def construct(self, query, key, value, mask):
         if self.varlen:
             return self.varlen_attention(query, key, value, mask, self.scale)
-        return dense_causal_attention(query, key, value, mask, self.scale, self.softmax_dtype, self.compute_dtype)
+        return dense_causal_attention(query, key, value, mask, self.scale, self.softmax_dtype, self.compute_dtype,
+                                      self.fused_softmax)
 
 
 class MultiLatentAttention(nn.Cell):

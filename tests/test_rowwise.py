@@ -85,6 +85,28 @@ def test_rms_norm_matches_its_composition_forward_and_backward():
                      tolerance("float32", 40 if i < 2 else 13), what)
 
 
+def test_bias_softmax_matches_scale_mask_and_softmax_forward_and_backward():
+    from mindspore import Tensor, ops
+    from dvm_fusion.rowwise import BiasSoftmaxCPU
+    _graph_mode()
+    rng = np.random.default_rng(4)
+    b, heads, s, scale = 2, 3, 12, 0.37
+    scores = Tensor(rng.standard_normal((b, heads, s, s)).astype(np.float32) * 4)
+    visible = np.tril(np.ones((s, s), bool)) & (rng.random((b, 1, s, s)) > 0.3) | np.eye(s, dtype=bool)
+    bias = Tensor(np.where(visible, 0.0, -1e9).astype(np.float32))       # the model's document mask
+    dprobs = Tensor(rng.standard_normal((b, heads, s, s)).astype(np.float32))
+
+    def composition(scores, bias):
+        return ops.softmax(scores * scale + bias, -1)
+
+    results = {name: _output_and_grads(fn, (scores, bias), dprobs, 0)
+               for name, fn in (("kernel", BiasSoftmaxCPU(scale)), ("composition", composition))}
+    for i, what in enumerate(("forward", "d scores")):
+        assert_close(results["kernel"][i], results["composition"][i].astype(np.float64), tolerance("float32", s),
+                     what)
+    assert np.all(results["kernel"][0][np.broadcast_to(~visible, (b, heads, s, s))] < 1e-30), "masked: zero"
+
+
 def test_weighted_combine_matches_scaled_segment_sum_forward_and_backward():
     import mindspore as ms
     from mindspore import Tensor

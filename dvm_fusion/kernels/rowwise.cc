@@ -8,6 +8,9 @@
 //   SwigluGrad:          (gate, up, dact) -> (d gate, d up)
 //   RmsNorm:             y [N, h] = w * x / sqrt(mean(x^2 over the row) + eps), eps a float32 [1] input
 //   RmsNormGrad:         (x, w, eps, dy) -> (dx [N, h], dw [h])
+//   BiasSoftmax:         probs = softmax(scores * scale + bias) over the last axis; scores [b, heads, s, t], bias
+//                        [b, 1, s, t] (attention's document mask), scale a float32 [1] input
+//   BiasSoftmaxGrad:     (probs, dprobs, scale) -> d scores = scale * probs * (dprobs - sum(probs * dprobs))
 //   WeightedCombine:     out [T, h]: out[token[r]] += weight[r] * y[r] over the rows r of y [R, h] (dispatch
 //                        order), zero for a token no row names; T = R / top_k, given by the output's shape
 //   WeightedCombineGrad: (dout [T, h], y, weight [R], token [R]) -> (dy [R, h] = weight[r] * dout[token[r]],
@@ -158,6 +161,52 @@ int RmsNormGrad(int nparam, void **params, int *, int64_t **shapes, const char *
       dxr[j] = rstd * w[j] * dyr[j] - xr[j] * c;
       dw[j] += dyr[j] * xr[j] * rstd;
     }
+  }
+  return 0;
+}
+
+int BiasSoftmax(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
+  if (!all_float32(nparam, dtypes, -1)) return 1;
+  const float *scores = static_cast<const float *>(params[0]), *bias = static_cast<const float *>(params[1]);
+  const float scale = *static_cast<const float *>(params[2]);
+  float *probs = static_cast<float *>(params[3]);
+  const int64_t batch = shapes[0][0], heads = shapes[0][1], rows = shapes[0][2], cols = shapes[0][3];
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t hd = 0; hd < heads; ++hd)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = ((b * heads + hd) * rows + r) * cols;
+        const float *__restrict x = scores + at, *__restrict m = bias + (b * rows + r) * cols;
+        float *__restrict p = probs + at;
+        float top = -3.0e38f;
+        for (int64_t j = 0; j < cols; ++j) {
+          p[j] = x[j] * scale + m[j];
+          top = p[j] > top ? p[j] : top;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < cols; ++j) {
+          p[j] = exp_poly(p[j] - top);
+          sum += p[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < cols; ++j) p[j] *= inv;
+      }
+  return 0;
+}
+
+int BiasSoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
+  if (!all_float32(nparam, dtypes, -1)) return 1;
+  const float *probs = static_cast<const float *>(params[0]), *dprobs = static_cast<const float *>(params[1]);
+  const float scale = *static_cast<const float *>(params[2]);
+  float *dscores = static_cast<float *>(params[3]);
+  const int64_t cols = shapes[0][ndims[0] - 1];
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < ndims[0]; ++d) rows *= shapes[0][d];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *__restrict p = probs + r * cols, *__restrict d = dprobs + r * cols;
+    float *__restrict out = dscores + r * cols;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < cols; ++j) dot += p[j] * d[j];
+    for (int64_t j = 0; j < cols; ++j) out[j] = scale * p[j] * (d[j] - dot);
   }
   return 0;
 }
