@@ -48,6 +48,12 @@ inline float exp_poly(float x) {
   return p * __builtin_bit_cast(float, (k + 127) << 23);        // times 2^n
 }
 
+int64_t elements(int ndim, const int64_t *shape) {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
 // act = silu(g) u over a row's n elements, and its backward: d/du = silu(g), d/dg = u silu'(g),
@@ -102,20 +108,16 @@ int SwigluPackedGrad(int nparam, void **params, int *, int64_t **shapes, const c
 // gate and up of the same shape, any rank: one row of all their elements
 int Swiglu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
   if (!all_float32(nparam, dtypes, -1)) return 1;
-  int64_t n = 1;
-  for (int d = 0; d < ndims[0]; ++d) n *= shapes[0][d];
   swiglu_row(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
-             static_cast<float *>(params[2]), n);
+             static_cast<float *>(params[2]), elements(ndims[0], shapes[0]));
   return 0;
 }
 
 int SwigluGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
   if (!all_float32(nparam, dtypes, -1)) return 1;
-  int64_t n = 1;
-  for (int d = 0; d < ndims[0]; ++d) n *= shapes[0][d];
   swiglu_row_grad(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                   static_cast<const float *>(params[2]), static_cast<float *>(params[3]),
-                  static_cast<float *>(params[4]), n);
+                  static_cast<float *>(params[4]), elements(ndims[0], shapes[0]));
   return 0;
 }
 
