@@ -19,7 +19,6 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from dvm_fusion.rowwise import BiasSoftmaxCPU
-
 from telechat_moe.config import ModelConfig, yarn_mscale
 from parallel.tp.mappings import EnterRegion, TensorParallel
 from telechat_moe.layers import Linear, RMSNorm, column_linear, ms_dtype, row_linear, weight_seed
@@ -128,7 +127,8 @@ class MultiLatentAttention(nn.Cell):
         self.enter = EnterRegion(tp, cdt)
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, std, cdt, seed_of("q_a_proj"))
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, device_target) if cfg.qk_layernorm else nn.Identity()
+            self.q_a_layernorm = (RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, device_target) if cfg.qk_layernorm
+                                  else nn.Identity())
             self.q_b_proj = column_linear(cfg.q_lora_rank, H * cfg.qk_head_dim, std, cdt, seed_of("q_b_proj"), tp,
                                           input_ready=True)
         else:
@@ -136,7 +136,8 @@ class MultiLatentAttention(nn.Cell):
                                         input_ready=True)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, std, cdt,
                                          seed_of("kv_a_proj_with_mqa"))
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, device_target) if cfg.qk_layernorm else nn.Identity()
+        self.kv_a_layernorm = (RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, device_target) if cfg.qk_layernorm
+                               else nn.Identity())
         self.kv_b_proj = column_linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), std, cdt, seed_of("kv_b_proj"),
                                        tp, input_ready=True)
         self.o_proj = row_linear(H * self.v_dim, cfg.hidden_size, std, cdt, seed_of("o_proj"), tp)
