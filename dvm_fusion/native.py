@@ -8,6 +8,7 @@ workers) build it once: the first holds a file lock, the others wait and find th
 from __future__ import annotations
 
 import fcntl
+from functools import cache
 import hashlib
 import os
 import platform
@@ -23,6 +24,7 @@ SOURCES = Path(__file__).resolve().parent / "kernels"
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 
 
+@cache
 def cpu_identity() -> str:
     """The machine and its CPU's model and feature flags, as /proc/cpuinfo gives them (Linux); else the machine."""
     lines = []
