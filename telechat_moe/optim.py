@@ -1,5 +1,5 @@
 """AdamW (PyTorch's update: bias correction, decoupled weight decay; norms and the router's expert bias are not
-decayed) on MindSpore's fused AdamWeightDecay kernel, and the LR schedule.
+decayed), one fused kernel per parameter, and the LR schedule.
 
 The learning rate is a pure function of the step, assigned to the optimizer's rate inside the training graph before
 each update, so the value that is logged is the value that is used, and resuming at step n needs nothing but n.
@@ -11,6 +11,8 @@ import math
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.nn.optim.adam import _fused_adam_weight_decay
+
+from dvm_fusion.adamw import adamw_hyper, adamw_update_cpu, cpu_threads
 
 
 def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kind: str) -> float:
@@ -24,11 +26,18 @@ def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kin
 
 
 class AdamW(nn.AdamWeightDecay):
-    """torch.optim.AdamW on the fused AdamWeightDecay kernel (one kernel per parameter; MindFormers' AdamW, written
-    as a chain of elementwise ops, was 5x slower per step on CPU). The kernel computes
-    p -= lr * (m / (sqrt(v) + eps) + wd * p) without bias correction, so each step folds it in:
-    lr' = lr * sqrt(bc2) / bc1, eps' = eps * sqrt(bc2) and wd' = wd * bc1 / sqrt(bc2) give exactly
+    """torch.optim.AdamW, one kernel per parameter that also applies the gradients' factor (unscaling, the mean
+    over ranks, clipping). CPU: dvm_fusion/adamw.py's kernel, the factor, both moments and the update in one pass
+    (MindSpore's AdamWeightDecay after a Mul per gradient took twice as long). Ascend: the gradients multiplied by
+    the factor, then MindSpore's AdamWeightDecay (MindFormers' AdamW, a chain of elementwise ops, was 5x slower per
+    step on CPU). That kernel computes p -= lr * (m / (sqrt(v) + eps) + wd * p) without bias correction, so each
+    step folds it in: lr' = lr * sqrt(bc2) / bc1, eps' = eps * sqrt(bc2) and wd' = wd * bc1 / sqrt(bc2) give exactly
     p * (1 - lr * wd) - lr * (m / bc1) / (sqrt(v / bc2) + eps)."""
+
+    def __init__(self, params, learning_rate, beta1: float, beta2: float, eps: float, device_target: str = "CPU"):
+        super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
+        self.fused = device_target != "Ascend"
+        self.threads = Tensor(cpu_threads(), ms.float32)
 
     @property
     def exp_avg(self):
@@ -38,13 +47,19 @@ class AdamW(nn.AdamWeightDecay):
     def exp_avg_sq(self):
         return self.moments2
 
-    def construct(self, gradients):
+    def construct(self, gradients, grad_factor):
+        """Steps every parameter by its gradient times `grad_factor` (a float32 scalar tensor)."""
         weight_decay = self.get_weight_decay()
         lr = self.get_lr()
         self.assignadd(self.global_step, self.global_step_increase_tensor)
         step = self.global_step.astype(ms.float32)
         bc1 = 1.0 - ops.pow(self.beta1, step)
         root_bc2 = ops.sqrt(1.0 - ops.pow(self.beta2, step))
+        if self.fused:
+            hyper = adamw_hyper(lr, self.beta1, self.beta2, self.eps, grad_factor, bc1, root_bc2, self.threads)
+            return self.hyper_map(ops.partial(adamw_update_cpu, hyper), self._parameters, self.moments1,
+                                  self.moments2, gradients, weight_decay)
+        gradients = self.hyper_map(ops.partial(ops.mul, grad_factor), gradients)
         lr_t = lr * root_bc2 / bc1
         eps_t = self.eps * root_bc2
         decay_scale = bc1 / root_bc2
@@ -59,9 +74,11 @@ def _decays(param: Parameter) -> bool:
     return len(param.shape) >= 2
 
 
-def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_decay: float) -> nn.Optimizer:
+def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_decay: float,
+                device_target: str = "CPU") -> nn.Optimizer:
     groups = [{"params": [p for p in params if _decays(p)], "weight_decay": weight_decay},
               {"params": [p for p in params if not _decays(p)], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     learning_rate = Parameter(Tensor(lr, ms.float32), name="learning_rate", requires_grad=False)
-    return AdamW(groups, learning_rate=learning_rate, beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps))
+    return AdamW(groups, learning_rate=learning_rate, beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
+                 device_target=device_target)

@@ -169,13 +169,13 @@ class PipelineUpdate(nn.Cell):
         grads = ()
         for i in range(len(self.accumulators)):
             grads = grads + (self.accumulators[i] * 1,)
-        grads, norm, finite = self.prepare(grads, grad_scale)
+        grads, factor, norm, finite = self.prepare(grads, grad_scale)
         ops.assign(self.optimizer.learning_rate, lr)
         if finite:
-            self.optimizer(grads)
+            self.optimizer(grads, factor)
         self.map(_zero, self.accumulators)
         if return_grads:        # a dump step: the reduced gradients (TrainStep returns them only then too)
-            return norm, finite, grads
+            return norm, finite, self.map(ops.partial(ops.mul, factor), grads)
         return norm, finite
 
 

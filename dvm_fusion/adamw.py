@@ -1,0 +1,46 @@
+"""AdamW's update of one parameter on CPU as one kernel: the gradient's scaling, both moments and the decoupled
+weight decay in a single pass, in place (kernels/adamw.cc, built by `native.py`).
+
+`adamw_update_cpu(param, exp_avg, exp_avg_sq, grad, hyper, weight_decay)` writes the three Parameters through
+their own buffers, as MindSpore's AdamWeightDecay does; the primitive is marked `side_effect_mem`, so the graph
+keeps the call although nothing reads its one-element output, and orders it with the graph's other reads and
+writes of those Parameters. `hyper` is `adamw_hyper(...)`'s float32 [8]. Ascend keeps MindSpore's AdamWeightDecay
+(telechat_moe/optim.py chooses). `tests/test_adamw_kernel.py` checks it against torch.optim.AdamW's arithmetic.
+"""
+from __future__ import annotations
+
+from functools import cache
+import os
+
+import mindspore as ms
+from mindspore import ops
+
+from dvm_fusion.native import library
+
+
+@cache
+def _kernel():
+    kernel = ops.Custom(f"{library('adamw')}:AdamW", out_shape=lambda *shapes: (1,),
+                        out_dtype=lambda *dtypes: ms.float32, func_type="aot")
+    return kernel.add_prim_attr("side_effect_mem", True)
+
+
+def cpu_threads() -> int:
+    """The threads a kernel may use: OMP_NUM_THREADS where set (as for the BLAS), else the CPUs this process may
+    run on."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+
+
+def adamw_hyper(lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads):
+    """The kernel's float32 [8] from scalar tensors ([] or [1]): lr, betas, eps, the factor every gradient is
+    multiplied by first, 1 - beta1^t, sqrt(1 - beta2^t), threads."""
+    return ops.stack([ops.cast(x, ms.float32).reshape(()) for x in
+                      (lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads)])
+
+
+def adamw_update_cpu(hyper, param, exp_avg, exp_avg_sq, grad, weight_decay):
+    """One AdamW step of float32 `param` and its moments in place; returns the kernel's status ([1], 0)."""
+    if grad.dtype != ms.float32:
+        grad = grad.astype(ms.float32)
+    return _kernel()(param, exp_avg, exp_avg_sq, grad, hyper, weight_decay)
