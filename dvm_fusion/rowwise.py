@@ -1,5 +1,5 @@
-"""Row-wise chains of small operators as one kernel each way on CPU: SwiGLU, RMSNorm, attention's masked softmax and
-the MoE combine.
+"""Row-wise chains of small operators as one kernel each way on CPU: SwiGLU, RMSNorm, attention's masked softmax, the
+cross-entropy and the MoE combine.
 
 - `swiglu_packed(gate_up)`: silu(gate) * up from the experts' fused first GEMM output [N, 2I] (gate | up per row),
   without slicing the halves out (on CPU the slices, SiLU, its expansion into Sigmoid and Mul, the product and their
@@ -8,6 +8,8 @@ the MoE combine.
 - `RmsNormCPU(eps)`: RMSNorm of float32 rows (the composition is about eight kernels forward and twenty backward).
 - `BiasSoftmaxCPU(scale)`: attention's softmax(scores * scale + mask) (a Mul, an Add and a Softmax forward; the
   softmax gradient's expansion, the mask's broadcast gradient and a Mul backward).
+- `CrossEntropyCPU()`: the language-model loss per position, -log softmax(logits)[label] times the loss mask (a
+  LogSoftmax, a gather and their gradients, the gather's a scatter into a zeroed [N, V] tensor).
 - `WeightedCombineCPU(top_k)`: the local dispatcher's combine, out[token[r]] += weight[r] * y[r] over the expert
   outputs in dispatch order (a broadcast Mul and a segment sum before, and their backward).
 
@@ -138,6 +140,31 @@ class BiasSoftmaxCPU(nn.Cell):
 
     def construct(self, scores, bias):
         return self.kernel(scores, bias, self.scale)
+
+
+@cache
+def _cross_entropy_cpu():
+    lib = library("rowwise")
+    grad = ops.Custom(f"{lib}:CrossEntropyGrad", out_shape=lambda logits, labels, mask, dnll: logits,
+                      out_dtype=_float32, func_type="aot")
+
+    def bprop(logits, labels, mask, out, dout):
+        return grad(logits, labels, mask, dout), ops.zeros_like(labels), ops.zeros_like(mask)
+
+    return ops.Custom(f"{lib}:CrossEntropy", out_shape=lambda logits, labels, mask: (logits[0],),
+                      out_dtype=_float32, func_type="aot", bprop=bprop)
+
+
+class CrossEntropyCPU(nn.Cell):
+    """logits [N, V] float32, labels [N] int32, mask [N] float32 -> mask * -log softmax(logits)[label] [N] (a
+    masked-out row's label is not read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = _cross_entropy_cpu()
+
+    def construct(self, logits, labels, mask):
+        return self.kernel(logits, labels, mask)
 
 
 @cache

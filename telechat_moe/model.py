@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import grouped_matmul_for
+from dvm_fusion.rowwise import CrossEntropyCPU
 from telechat_moe.config import ModelConfig
 from parallel.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
 from parallel.tp.mappings import TensorParallel
@@ -120,6 +121,8 @@ class TeleChatMoE(nn.Cell):
         self.lm_head = None if cfg.tie_word_embeddings or not tail else column_linear(
             cfg.hidden_size, cfg.vocab_size, std, ms.float32, weight_seed(seed, "lm_head"), tp, **head_kwargs)
         self.vocab_cross_entropy = VocabParallelCrossEntropy(tp.transport) if tp.tp > 1 and tail else None
+        # on CPU one kernel each way for the loss per position (dvm_fusion/rowwise.py)
+        self.fused_cross_entropy = CrossEntropyCPU() if device_target != "Ascend" else None
         self.mtp = nn.CellList([
             MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed,
                                        f"mtp.{d}.block"), seed, f"mtp.{d}", tp, device_target)
@@ -198,17 +201,20 @@ class TeleChatMoE(nn.Cell):
         """`cross_entropy` of this rank's logits: vocab-parallel over tp (parallel.tp.VocabParallelCrossEntropy)."""
         if self.vocab_cross_entropy is not None:
             return self.vocab_cross_entropy(logits, labels, mask)
-        return self.cross_entropy(logits, labels, mask)
+        return self.cross_entropy(logits, labels, mask, self.fused_cross_entropy)
 
     @staticmethod
-    def cross_entropy(logits, labels, mask):
-        """Mean over masked-in positions of -log softmax(logits)[label], in float32."""
-        labels = labels.reshape(-1, 1)
-        # MindSpore's LogSoftmax kernel and its gradient: forward and backward 2.3x faster on CPU than the same
-        # value composed of max, exp, sum and log (tiny: 64 of 1400 ms a step over the two heads)
-        nll = -ops.gather_elements(ops.log_softmax(logits, -1), 1, labels).squeeze(-1)
+    def cross_entropy(logits, labels, mask, fused=None):
+        """Mean over masked-in positions of -log softmax(logits)[label], in float32. `fused`: a kernel giving the
+        masked per-position losses (dvm_fusion.rowwise.CrossEntropyCPU), else MindSpore's operators."""
         mask = mask.reshape(-1).astype(ms.float32)
-        return (nll * mask).sum() / ops.maximum(mask.sum(), 1.0)
+        if fused is not None:
+            nll = fused(logits, labels.reshape(-1).astype(ms.int32), mask)
+        else:
+            # MindSpore's LogSoftmax kernel and its gradient: forward and backward 2.3x faster on CPU than the
+            # same value composed of max, exp, sum and log (tiny: 64 of 1400 ms a step over the two heads)
+            nll = -ops.gather_elements(ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).squeeze(-1) * mask
+        return nll.sum() / ops.maximum(mask.sum(), 1.0)
 
     # ---- forward ------------------------------------------------------------------------------------
     def hidden_states(self, input_ids, segment_ids, position_ids):

@@ -107,6 +107,36 @@ def test_bias_softmax_matches_scale_mask_and_softmax_forward_and_backward():
     assert np.all(results["kernel"][0][np.broadcast_to(~visible, (b, heads, s, s))] < 1e-30), "masked: zero"
 
 
+def test_cross_entropy_matches_log_softmax_and_gather_forward_and_backward():
+    import mindspore as ms
+    from mindspore import Tensor, ops
+    from dvm_fusion.rowwise import CrossEntropyCPU
+    _graph_mode()
+    rng = np.random.default_rng(5)
+    n, v = 10, 300
+    logits = Tensor(rng.standard_normal((n, v)).astype(np.float32) * 5)
+    mask_np = np.ones(n, np.float32)
+    mask_np[[2, 7]] = 0.0
+    labels_np = rng.integers(0, v, n).astype(np.int32)
+    labels_np[7] = -100                                      # a masked-out row's label is never read
+    labels, mask = Tensor(labels_np), Tensor(mask_np)
+    dnll = Tensor(rng.standard_normal(n).astype(np.float32))
+
+    def composition(logits, labels, mask):
+        picked = ops.gather_elements(ops.log_softmax(logits, -1), 1, ops.maximum(labels, 0).reshape(-1, 1))
+        return -picked.squeeze(-1) * mask
+
+    results = {name: _output_and_grads(fn, (logits, labels, mask), dnll, 0)
+               for name, fn in (("kernel", CrossEntropyCPU()), ("composition", composition))}
+    for i, what in enumerate(("forward", "d logits")):
+        assert_close(results["kernel"][i], results["composition"][i].astype(np.float64), tolerance("float32", v),
+                     what)
+    with pytest.raises(RuntimeError, match="function\\(CrossEntropy\\) is 3"):
+        labels_np[7] = -100
+        mask_np[7] = 1.0
+        ms.jit(CrossEntropyCPU())(logits, Tensor(labels_np), Tensor(mask_np)).asnumpy()
+
+
 def test_weighted_combine_matches_scaled_segment_sum_forward_and_backward():
     import mindspore as ms
     from mindspore import Tensor

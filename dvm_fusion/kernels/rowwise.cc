@@ -11,12 +11,15 @@
 //   BiasSoftmax:         probs = softmax(scores * scale + bias) over the last axis; scores [b, heads, s, t], bias
 //                        [b, 1, s, t] (attention's document mask), scale a float32 [1] input
 //   BiasSoftmaxGrad:     (probs, dprobs, scale) -> d scores = scale * probs * (dprobs - sum(probs * dprobs))
+//   CrossEntropy:        nll [N] = mask * (logsumexp(logits row) - logits[label]), logits [N, V], labels [N] int32,
+//                        mask [N]; a masked-out row's label is not read
+//   CrossEntropyGrad:    (logits, labels, mask, dnll) -> dlogits = dnll * mask * (softmax(row) - onehot(label))
 //   WeightedCombine:     out [T, h]: out[token[r]] += weight[r] * y[r] over the rows r of y [R, h] (dispatch
 //                        order), zero for a token no row names; T = R / top_k, given by the output's shape
 //   WeightedCombineGrad: (dout [T, h], y, weight [R], token [R]) -> (dy [R, h] = weight[r] * dout[token[r]],
 //                        dweight [R] = <dout[token[r]], y[r]>)
-// float32 only (the binding casts other dtypes); a token id outside [0, T) stops the kernel (error 3) instead of
-// reaching past the buffers.
+// float32 only (the binding casts other dtypes); a token id outside [0, T) or a counted label outside [0, V) stops
+// the kernel (error 3) instead of reaching past the buffers.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -209,6 +212,59 @@ int BiasSoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, con
     float dot = 0.0f;
     for (int64_t j = 0; j < cols; ++j) dot += p[j] * d[j];
     for (int64_t j = 0; j < cols; ++j) out[j] = scale * p[j] * (d[j] - dot);
+  }
+  return 0;
+}
+
+// max and sum of exp(x - max) of a row: its logsumexp is max + log(sum)
+inline float row_logsumexp(const float *__restrict x, int64_t n) {
+  float top = -3.0e38f;
+  for (int64_t j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += exp_poly(x[j] - top);
+  return top + std::log(sum);
+}
+
+bool labels_fit(const int32_t *labels, const float *mask, int64_t rows, int64_t classes) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (mask[r] != 0.0f && (labels[r] < 0 || labels[r] >= classes)) return false;
+  return true;
+}
+
+int CrossEntropy(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
+  if (!all_float32(nparam, dtypes, 1) || std::strcmp(dtypes[1], "int32") != 0) return 1;
+  const float *logits = static_cast<const float *>(params[0]);
+  const int32_t *labels = static_cast<const int32_t *>(params[1]);
+  const float *mask = static_cast<const float *>(params[2]);
+  float *nll = static_cast<float *>(params[3]);
+  const int64_t rows = shapes[0][0], classes = shapes[0][1];
+  if (!labels_fit(labels, mask, rows, classes)) return 3;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *x = logits + r * classes;
+    nll[r] = mask[r] == 0.0f ? 0.0f : mask[r] * (row_logsumexp(x, classes) - x[labels[r]]);
+  }
+  return 0;
+}
+
+int CrossEntropyGrad(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *, void *) {
+  if (!all_float32(nparam, dtypes, 1) || std::strcmp(dtypes[1], "int32") != 0) return 1;
+  const float *logits = static_cast<const float *>(params[0]);
+  const int32_t *labels = static_cast<const int32_t *>(params[1]);
+  const float *mask = static_cast<const float *>(params[2]), *dnll = static_cast<const float *>(params[3]);
+  float *dlogits = static_cast<float *>(params[4]);
+  const int64_t rows = shapes[0][0], classes = shapes[0][1];
+  if (!labels_fit(labels, mask, rows, classes)) return 3;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *__restrict x = logits + r * classes;
+    float *__restrict d = dlogits + r * classes;
+    const float g = dnll[r] * mask[r];
+    if (g == 0.0f) {
+      std::memset(d, 0, sizeof(float) * classes);
+      continue;
+    }
+    const float lse = row_logsumexp(x, classes);
+    for (int64_t j = 0; j < classes; ++j) d[j] = g * exp_poly(x[j] - lse);
+    d[labels[r]] -= g;
   }
   return 0;
 }
