@@ -21,7 +21,9 @@ from data_sched.default_corpus import cache_dir
 SOURCES = Path(__file__).resolve().parent / "kernels"
 # -march=native and no FP traps: the row kernels' loops vectorize only so (rowwise.cc's SwiGLU: 7.5 -> 0.6 ms on
 # tiny's [4096, 384]); the library is then tied to the CPU that built it, which its name's hash covers.
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+# -fopenmp-simd: a loop marked `#pragma omp simd reduction(...)` may sum (or take the max) in vector lanes, which
+# float semantics forbid otherwise (no OpenMP runtime is linked).
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
 @cache

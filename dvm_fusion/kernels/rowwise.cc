@@ -126,6 +126,7 @@ int SwigluGrad(int nparam, void **params, int *ndims, int64_t **shapes, const ch
 
 inline float row_rstd(const float *__restrict x, int64_t h, float eps) {
   float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < h; ++j) sum += x[j] * x[j];
   return 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
 }
@@ -160,6 +161,7 @@ int RmsNormGrad(int nparam, void **params, int *, int64_t **shapes, const char *
     float *__restrict dxr = dx + r * h;
     const float rstd = row_rstd(xr, h, eps);
     float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < h; ++j) dot += w[j] * dyr[j] * xr[j];
     const float c = rstd * rstd * rstd * dot / static_cast<float>(h);
     for (int64_t j = 0; j < h; ++j) {
@@ -183,11 +185,13 @@ int BiasSoftmax(int nparam, void **params, int *, int64_t **shapes, const char *
         const float *__restrict x = scores + at, *__restrict m = bias + (b * rows + r) * cols;
         float *__restrict p = probs + at;
         float top = -3.0e38f;
+#pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < cols; ++j) {
           p[j] = x[j] * scale + m[j];
           top = p[j] > top ? p[j] : top;
         }
         float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < cols; ++j) {
           p[j] = exp_poly(p[j] - top);
           sum += p[j];
@@ -210,6 +214,7 @@ int BiasSoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, con
     const float *__restrict p = probs + r * cols, *__restrict d = dprobs + r * cols;
     float *__restrict out = dscores + r * cols;
     float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < cols; ++j) dot += p[j] * d[j];
     for (int64_t j = 0; j < cols; ++j) out[j] = scale * p[j] * (d[j] - dot);
   }
@@ -219,8 +224,10 @@ int BiasSoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, con
 // max and sum of exp(x - max) of a row: its logsumexp is max + log(sum)
 inline float row_logsumexp(const float *__restrict x, int64_t n) {
   float top = -3.0e38f;
+#pragma omp simd reduction(max : top)
   for (int64_t j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
   float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) sum += exp_poly(x[j] - top);
   return top + std::log(sum);
 }
@@ -296,6 +303,7 @@ int WeightedCombineGrad(int nparam, void **params, int *, int64_t **shapes, cons
   for (int64_t r = 0; r < rows; ++r) {
     const float w = weight[r], *g = dout + static_cast<int64_t>(token[r]) * hidden, *src = y + r * hidden;
     float *d = dy + r * hidden, dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < hidden; ++j) {
       d[j] = w * g[j];
       dot += g[j] * src[j];
