@@ -1,11 +1,13 @@
-"""AdamW's update of one parameter on CPU as one kernel: the gradient's scaling, both moments and the decoupled
+"""AdamW's update of every parameter on CPU as one kernel: the gradients' scaling, both moments and the decoupled
 weight decay in a single pass, in place (kernels/adamw.cc, built by `native.py`).
 
-`adamw_update_cpu(param, exp_avg, exp_avg_sq, grad, hyper, weight_decay)` writes the three Parameters through
-their own buffers, as MindSpore's AdamWeightDecay does; the primitive is marked `side_effect_mem`, so the graph
-keeps the call although nothing reads its one-element output, and orders it with the graph's other reads and
-writes of those Parameters. `hyper` is `adamw_hyper(...)`'s float32 [8]. Ascend keeps MindSpore's AdamWeightDecay
-(telechat_moe/optim.py chooses). `tests/test_adamw_kernel.py` checks it against torch.optim.AdamW's arithmetic.
+`adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays)` writes the Parameters and their
+moments through their own buffers, as MindSpore's AdamWeightDecay does; the primitive is marked `side_effect_mem`,
+so the graph keeps the call although nothing reads its one-element output, and orders it with the graph's other
+reads and writes of those Parameters. `hyper` is `adamw_hyper(...)`'s float32 [9]; a step whose `finite` is false
+leaves everything as it was, so the training graph needs no branch around it (on CPU a branch splits the graph,
+costing milliseconds of host time a step). Ascend keeps MindSpore's AdamWeightDecay (telechat_moe/optim.py
+chooses). `tests/test_adamw_kernel.py` checks it against torch.optim.AdamW's arithmetic.
 """
 from __future__ import annotations
 
@@ -32,15 +34,15 @@ def cpu_threads() -> int:
     return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
 
 
-def adamw_hyper(lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads):
-    """The kernel's float32 [8] from scalar tensors ([] or [1]): lr, betas, eps, the factor every gradient is
-    multiplied by first, 1 - beta1^t, sqrt(1 - beta2^t), threads."""
+def adamw_hyper(lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads, finite):
+    """The kernel's float32 [9] from scalar tensors ([] or [1]): lr, betas, eps, the factor every gradient is
+    multiplied by first, 1 - beta1^t, sqrt(1 - beta2^t), threads, and whether to step at all (bool)."""
     return ops.stack([ops.cast(x, ms.float32).reshape(()) for x in
-                      (lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads)])
+                      (lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads, finite)])
 
 
-def adamw_update_cpu(hyper, param, exp_avg, exp_avg_sq, grad, weight_decay):
-    """One AdamW step of float32 `param` and its moments in place; returns the kernel's status ([1], 0)."""
-    if grad.dtype != ms.float32:
-        grad = grad.astype(ms.float32)
-    return _kernel()(param, exp_avg, exp_avg_sq, grad, hyper, weight_decay)
+def adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays):
+    """One AdamW step of float32 `params` (a tuple) and their moments in place; `weight_decays` float32 [n], one
+    rate a parameter. Returns the kernel's status ([1], 0)."""
+    grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
+    return _kernel()(*(tuple(params) + tuple(exp_avgs) + tuple(exp_avg_sqs) + tuple(grads) + (hyper, weight_decays)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.nn.optim.adam import _fused_adam_weight_decay
@@ -26,18 +27,20 @@ def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kin
 
 
 class AdamW(nn.AdamWeightDecay):
-    """torch.optim.AdamW, one kernel per parameter that also applies the gradients' factor (unscaling, the mean
-    over ranks, clipping). CPU: dvm_fusion/adamw.py's kernel, the factor, both moments and the update in one pass
-    (MindSpore's AdamWeightDecay after a Mul per gradient took twice as long). Ascend: the gradients multiplied by
-    the factor, then MindSpore's AdamWeightDecay (MindFormers' AdamW, a chain of elementwise ops, was 5x slower per
-    step on CPU). That kernel computes p -= lr * (m / (sqrt(v) + eps) + wd * p) without bias correction, so each
-    step folds it in: lr' = lr * sqrt(bc2) / bc1, eps' = eps * sqrt(bc2) and wd' = wd * bc1 / sqrt(bc2) give exactly
+    """torch.optim.AdamW that also applies the gradients' factor (unscaling, the mean over ranks, clipping) and
+    skips a step whose gradients are not finite. CPU: dvm_fusion/adamw.py's one kernel over every parameter, the
+    factor, both moments and the update in one pass (MindSpore's AdamWeightDecay after a Mul per gradient took twice
+    as long). Ascend: the gradients multiplied by the factor, then MindSpore's AdamWeightDecay per parameter
+    (MindFormers' AdamW, a chain of elementwise ops, was 5x slower per step on CPU). That kernel computes
+    p -= lr * (m / (sqrt(v) + eps) + wd * p) without bias correction, so each step folds it in:
+    lr' = lr * sqrt(bc2) / bc1, eps' = eps * sqrt(bc2) and wd' = wd * bc1 / sqrt(bc2) give exactly
     p * (1 - lr * wd) - lr * (m / bc1) / (sqrt(v / bc2) + eps)."""
 
     def __init__(self, params, learning_rate, beta1: float, beta2: float, eps: float, device_target: str = "CPU"):
         super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
         self.fused = device_target != "Ascend"
         self.threads = Tensor(cpu_threads(), ms.float32)
+        self.weight_decays = Tensor(np.array([float(w.asnumpy()) for w in self.weight_decay], np.float32))
 
     @property
     def exp_avg(self):
@@ -47,27 +50,32 @@ class AdamW(nn.AdamWeightDecay):
     def exp_avg_sq(self):
         return self.moments2
 
-    def construct(self, gradients, grad_factor):
-        """Steps every parameter by its gradient times `grad_factor` (a float32 scalar tensor)."""
-        weight_decay = self.get_weight_decay()
-        lr = self.get_lr()
-        self.assignadd(self.global_step, self.global_step_increase_tensor)
+    def construct(self, gradients, grad_factor, finite):
+        """Steps every parameter by its gradient times `grad_factor` (a float32 scalar tensor), if `finite` (a bool
+        tensor; else nothing changes, the step count included)."""
+        if self.fused:      # no branch in the graph: the kernel skips a step that is not finite
+            self.assignadd(self.global_step, finite.astype(ms.int32))
+            bc1, root_bc2 = self.corrections()
+            hyper = adamw_hyper(self.get_lr(), self.beta1, self.beta2, self.eps, grad_factor, bc1, root_bc2,
+                                self.threads, finite)
+            return adamw_update_cpu(self._parameters, self.moments1, self.moments2, gradients, hyper,
+                                    self.weight_decays)
+        if finite:
+            self.assignadd(self.global_step, self.global_step_increase_tensor)
+            bc1, root_bc2 = self.corrections()
+            gradients = self.hyper_map(ops.partial(ops.mul, grad_factor), gradients)
+            lr_t = self.get_lr() * root_bc2 / bc1
+            eps_t = self.eps * root_bc2
+            weight_decay = self.hyper_map(ops.partial(ops.mul, bc1 / root_bc2), self.get_weight_decay())
+            self.hyper_map(ops.partial(_fused_adam_weight_decay, self.fused_opt, self.beta1, self.beta2, eps_t, lr_t),
+                           weight_decay, self._parameters, self.moments1, self.moments2, gradients,
+                           self.decay_flags, self.optim_filter)
+        return ops.zeros((1,), ms.float32)
+
+    def corrections(self):
+        """1 - beta1^t and sqrt(1 - beta2^t) at this step t (global_step, already counting it)."""
         step = self.global_step.astype(ms.float32)
-        bc1 = 1.0 - ops.pow(self.beta1, step)
-        root_bc2 = ops.sqrt(1.0 - ops.pow(self.beta2, step))
-        if self.fused:
-            hyper = adamw_hyper(lr, self.beta1, self.beta2, self.eps, grad_factor, bc1, root_bc2, self.threads)
-            return self.hyper_map(ops.partial(adamw_update_cpu, hyper), self._parameters, self.moments1,
-                                  self.moments2, gradients, weight_decay)
-        gradients = self.hyper_map(ops.partial(ops.mul, grad_factor), gradients)
-        lr_t = lr * root_bc2 / bc1
-        eps_t = self.eps * root_bc2
-        decay_scale = bc1 / root_bc2
-        weight_decay = self.hyper_map(ops.partial(ops.mul, decay_scale), weight_decay)
-        return self.hyper_map(ops.partial(_fused_adam_weight_decay, self.fused_opt, self.beta1, self.beta2, eps_t,
-                                          lr_t),
-                              weight_decay, self._parameters, self.moments1, self.moments2, gradients,
-                              self.decay_flags, self.optim_filter)
+        return 1.0 - ops.pow(self.beta1, step), ops.sqrt(1.0 - ops.pow(self.beta2, step))
 
 
 def _decays(param: Parameter) -> bool:

@@ -171,8 +171,7 @@ class PipelineUpdate(nn.Cell):
             grads = grads + (self.accumulators[i] * 1,)
         grads, factor, norm, finite = self.prepare(grads, grad_scale)
         ops.assign(self.optimizer.learning_rate, lr)
-        if finite:
-            self.optimizer(grads, factor)
+        self.optimizer(grads, factor, finite)
         self.map(_zero, self.accumulators)
         if return_grads:        # a dump step: the reduced gradients (TrainStep returns them only then too)
             return norm, finite, self.map(ops.partial(ops.mul, factor), grads)

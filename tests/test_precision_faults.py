@@ -111,7 +111,7 @@ def train_step(model: TeleChatMoE, batch, schedule=None, accumulator=None, reduc
     optimizer = build_adamw(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     # the optimizer holds its parameters by group (decayed first); dumps keep the model's parameter order
     position = {p.name: i for i, p in enumerate(optimizer.parameters)}
-    optimizer(tuple(grads[names.index(p.name)] for p in optimizer.parameters), Tensor(1.0, ms.float32))
+    optimizer(tuple(grads[names.index(p.name)] for p in optimizer.parameters), Tensor(1.0, ms.float32), Tensor(True))
     forward = capture.records()
     if gather:
         forward = [TensorRecord(r.name, r.kind, gather(r.value), r.layer, r.operator, r.k, r.dims) for r in forward]

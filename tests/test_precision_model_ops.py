@@ -82,7 +82,7 @@ def project_adamw(param, grad, exp_avg, exp_avg_sq):
     optimizer.exp_avg[0].set_data(row(exp_avg))
     optimizer.exp_avg_sq[0].set_data(row(exp_avg_sq))
     optimizer.global_step.set_data(Tensor([c["step"] - 1], ms.int32))  # the optimizer counts this step first
-    optimizer((row(grad),), Tensor(1.0, ms.float32))
+    optimizer((row(grad),), Tensor(1.0, ms.float32), Tensor(True))
     return (p.value().reshape(-1), optimizer.exp_avg[0].value().reshape(-1),
             optimizer.exp_avg_sq[0].value().reshape(-1))
 

@@ -1,10 +1,11 @@
-// AdamW on CPU as one MindSpore `ops.Custom` AOT kernel per parameter (dvm_fusion/adamw.py): the gradient's
+// AdamW on CPU as one MindSpore `ops.Custom` AOT kernel over every parameter (dvm_fusion/adamw.py): the gradients'
 // scaling (unscale, 1 / dp, clip factor), both moments and the decoupled-decay update in one pass over four float32
-// arrays, where MindSpore's path was a Mul per gradient and AdamWeightDecay (113M parameters: 450 against 230 ms).
-// Like AdamWeightDecay it updates its inputs in place: the parameter and both moments are written through the
-// pointers MindSpore hands in (a Parameter's own buffer); the one-element output is a status for the graph to
-// keep the call by. Large arrays are split over `threads` threads: one thread does not reach the memory bandwidth
-// (the same 113M parameters: 400 ms on one thread, 230 on two).
+// arrays per parameter. MindSpore's path was a Mul per gradient, then AdamWeightDecay per parameter (113M
+// parameters: 450 against 230 ms), each kernel with the runtime's gap after it.
+// Like AdamWeightDecay it updates its inputs in place: each parameter and its moments are written through the
+// pointers MindSpore hands in (a Parameter's own buffer); the one-element output is a status for the graph to keep
+// the call by. The parameters' elements, end to end, are split evenly over `threads` threads: one thread does not
+// reach the memory bandwidth (113M parameters: 400 ms on one thread, 230 on two).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,9 +15,17 @@
 
 namespace {
 
-// hyper: lr, beta1, beta2, eps, gradient factor, 1 - beta1^t, sqrt(1 - beta2^t), threads
+// hyper: lr, beta1, beta2, eps, gradient factor, 1 - beta1^t, sqrt(1 - beta2^t), threads, finite (1, else the
+// step is skipped)
 struct Hyper {
-  float lr, beta1, beta2, eps, factor, correction1, root_correction2, threads;
+  float lr, beta1, beta2, eps, factor, correction1, root_correction2, threads, finite;
+};
+
+struct Tensors {
+  std::vector<float *> p, m, v;
+  std::vector<const float *> g;
+  std::vector<int64_t> start;        // element offset of each parameter in the end-to-end order; start[n] = total
+  const float *decay;                // [n]
 };
 
 void update(float *__restrict p, float *__restrict m, float *__restrict v, const float *__restrict g, int64_t lo,
@@ -34,38 +43,60 @@ void update(float *__restrict p, float *__restrict m, float *__restrict v, const
   }
 }
 
+// the elements [lo, hi) of the end-to-end order, parameter by parameter
+void update_range(const Tensors &t, const Hyper &h, int64_t lo, int64_t hi) {
+  const size_t n = t.p.size();
+  size_t k = std::upper_bound(t.start.begin(), t.start.end(), lo) - t.start.begin() - 1;
+  for (; k < n && t.start[k] < hi; ++k) {
+    const int64_t a = std::max(lo, t.start[k]) - t.start[k], b = std::min(hi, t.start[k + 1]) - t.start[k];
+    update(t.p[k], t.m[k], t.v[k], t.g[k], a, b, h, t.decay[k]);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// Inputs: param, exp_avg, exp_avg_sq, grad (float32, one size), hyper (float32 [8], Hyper's order), weight decay
-// (float32 [] or [1]); output float32 [1] (0). Returns 0; 1: an input not float32; 2: sizes differ.
+// Inputs: n parameters, their n exp_avg, n exp_avg_sq, n gradients (float32, each group in the same order and
+// sizes), hyper (float32 [9], Hyper's order), weight decays (float32 [n]); output float32 [1] (0).
+// Returns 0; 1: an input not float32; 2: sizes differ or the input count is not 4n + 2.
 int AdamW(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
   for (int i = 0; i < nparam; ++i)
     if (std::strcmp(dtypes[i], "float32") != 0) return 1;
-  int64_t n = 1;
-  for (int d = 0; d < ndims[0]; ++d) n *= shapes[0][d];
-  for (int t = 1; t < 4; ++t) {
-    int64_t size = 1;
-    for (int d = 0; d < ndims[t]; ++d) size *= shapes[t][d];
-    if (size != n) return 2;
+  if ((nparam - 3) % 4 != 0) return 2;
+  const int n = (nparam - 3) / 4;
+  auto size = [&](int i) {
+    int64_t s = 1;
+    for (int d = 0; d < ndims[i]; ++d) s *= shapes[i][d];
+    return s;
+  };
+  if (size(4 * n + 1) != n) return 2;
+  Tensors t;
+  t.start.push_back(0);
+  for (int k = 0; k < n; ++k) {
+    const int64_t s = size(k);
+    if (size(n + k) != s || size(2 * n + k) != s || size(3 * n + k) != s) return 2;
+    t.p.push_back(static_cast<float *>(params[k]));
+    t.m.push_back(static_cast<float *>(params[n + k]));
+    t.v.push_back(static_cast<float *>(params[2 * n + k]));
+    t.g.push_back(static_cast<const float *>(params[3 * n + k]));
+    t.start.push_back(t.start.back() + s);
   }
-  auto *p = static_cast<float *>(params[0]), *m = static_cast<float *>(params[1]), *v = static_cast<float *>(params[2]);
-  const auto *g = static_cast<const float *>(params[3]);
   Hyper h;
-  std::memcpy(&h, params[4], sizeof h);
-  const float weight_decay = *static_cast<const float *>(params[5]);
-  // a thread per 256K elements at most: below that starting one costs more than it saves
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(h.threads), n >> 18));
-  const int64_t chunk = ((n + threads - 1) / threads + 15) & ~int64_t(15);   // 64-byte aligned starts
-  std::vector<std::thread> others;
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t lo = std::min(n, t * chunk), hi = std::min(n, (t + 1) * chunk);
-    others.emplace_back(update, p, m, v, g, lo, hi, std::cref(h), weight_decay);
-  }
-  update(p, m, v, g, 0, std::min(n, chunk), h, weight_decay);
-  for (auto &t : others) t.join();
+  std::memcpy(&h, params[4 * n], sizeof h);
+  t.decay = static_cast<const float *>(params[4 * n + 1]);
   *static_cast<float *>(params[nparam - 1]) = 0.0f;
+  if (h.finite != 1.0f) return 0;
+  const int64_t total = t.start.back();
+  // a thread per 256K elements at most: below that starting one costs more than it saves
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(h.threads), total >> 18));
+  const int64_t chunk = ((total + threads - 1) / threads + 15) & ~int64_t(15);   // whole 16-float blocks
+  std::vector<std::thread> others;
+  for (int64_t i = 1; i < threads; ++i)
+    others.emplace_back(update_range, std::cref(t), std::cref(h), std::min(total, i * chunk),
+                        std::min(total, (i + 1) * chunk));
+  update_range(t, h, 0, std::min(total, chunk));
+  for (auto &other : others) other.join();
   return 0;
 }
 
