@@ -1,5 +1,6 @@
-"""AdamW's update of every parameter on CPU as one kernel: the gradients' scaling, both moments and the decoupled
-weight decay in a single pass, in place (kernels/adamw.cc, built by `native.py`).
+"""AdamW's update on CPU as one kernel: the gradients' scaling, both moments and the decoupled weight decay in a
+single pass over any number of parameters, in place (kernels/adamw.cc, built by `native.py`). The optimizer calls
+it once per parameter (`adamw_update_one_cpu`).
 
 `adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays)` writes the Parameters and their
 moments through their own buffers, as MindSpore's AdamWeightDecay does; the primitive is marked `side_effect_mem`,
@@ -46,3 +47,8 @@ def adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays)
     rate a parameter. Returns the kernel's status ([1], 0)."""
     grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
     return _kernel()(*(tuple(params) + tuple(exp_avgs) + tuple(exp_avg_sqs) + tuple(grads) + (hyper, weight_decays)))
+
+
+def adamw_update_one_cpu(hyper, param, exp_avg, exp_avg_sq, grad, weight_decay):
+    """`adamw_update_cpu` of one parameter (`weight_decay` float32 [1]), for a HyperMap over the parameters."""
+    return adamw_update_cpu((param,), (exp_avg,), (exp_avg_sq,), (grad,), hyper, weight_decay)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.nn.optim.adam import _fused_adam_weight_decay
 
-from dvm_fusion.adamw import adamw_hyper, adamw_update_cpu, cpu_threads
+from dvm_fusion.adamw import adamw_hyper, adamw_update_one_cpu, cpu_threads
 
 
 def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kind: str) -> float:
@@ -28,8 +27,8 @@ def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kin
 
 class AdamW(nn.AdamWeightDecay):
     """torch.optim.AdamW that also applies the gradients' factor (unscaling, the mean over ranks, clipping) and
-    skips a step whose gradients are not finite. CPU: dvm_fusion/adamw.py's one kernel over every parameter, the
-    factor, both moments and the update in one pass (MindSpore's AdamWeightDecay after a Mul per gradient took twice
+    skips a step whose gradients are not finite. CPU: dvm_fusion/adamw.py's kernel, the factor, both moments and
+    the update in one pass (MindSpore's AdamWeightDecay after a Mul per gradient took twice
     as long). Ascend: the gradients multiplied by the factor, then MindSpore's AdamWeightDecay per parameter
     (MindFormers' AdamW, a chain of elementwise ops, was 5x slower per step on CPU). That kernel computes
     p -= lr * (m / (sqrt(v) + eps) + wd * p) without bias correction, so each step folds it in:
@@ -40,7 +39,7 @@ class AdamW(nn.AdamWeightDecay):
         super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
         self.fused = device_target != "Ascend"
         self.threads = Tensor(cpu_threads(), ms.float32)
-        self.weight_decays = Tensor(np.array([float(w.asnumpy()) for w in self.weight_decay], np.float32))
+        self.weight_decays = tuple(Tensor([float(w.asnumpy())], ms.float32) for w in self.weight_decay)
 
     @property
     def exp_avg(self):
@@ -58,8 +57,9 @@ class AdamW(nn.AdamWeightDecay):
             bc1, root_bc2 = self.corrections()
             hyper = adamw_hyper(self.get_lr(), self.beta1, self.beta2, self.eps, grad_factor, bc1, root_bc2,
                                 self.threads, finite)
-            return adamw_update_cpu(self._parameters, self.moments1, self.moments2, gradients, hyper,
-                                    self.weight_decays)
+            # a call per parameter: one call over all of them compiled 2 s slower on small (24 -> 26 s first step)
+            return self.hyper_map(ops.partial(adamw_update_one_cpu, hyper), self._parameters, self.moments1,
+                                  self.moments2, gradients, self.weight_decays)
         if finite:
             self.assignadd(self.global_step, self.global_step_increase_tensor)
             bc1, root_bc2 = self.corrections()

@@ -171,7 +171,8 @@ class PipelineUpdate(nn.Cell):
             grads = grads + (self.accumulators[i] * 1,)
         grads, factor, norm, finite = self.prepare(grads, grad_scale)
         ops.assign(self.optimizer.learning_rate, lr)
-        self.optimizer(grads, factor, finite)
+        # the norm returned after the update: on CPU the kernels' statuses are all the graph would keep them by
+        norm = ops.depend(norm, self.optimizer(grads, factor, finite))
         self.map(_zero, self.accumulators)
         if return_grads:        # a dump step: the reduced gradients (TrainStep returns them only then too)
             return norm, finite, self.map(ops.partial(ops.mul, factor), grads)

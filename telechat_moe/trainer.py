@@ -202,7 +202,8 @@ class TrainStep(nn.Cell):
             grads = self.replica_sum(grads)
         grads, factor, norm, finite = self.prepare(grads, grad_scale)
         ops.assign(self.optimizer.learning_rate, lr)
-        self.optimizer(grads, factor, finite)
+        # the norm returned after the update: on CPU the kernels' statuses are all the graph would keep them by
+        norm = ops.depend(norm, self.optimizer(grads, factor, finite))
         if return_grads:
             return total, lm, mtp, aux, z, loads, norm, finite, self.map(ops.partial(ops.mul, factor), grads)
         return total, lm, mtp, aux, z, loads, norm, finite
