@@ -16,6 +16,7 @@ call is checked against the installed package's signatures by tests/test_context
 | deterministic: ON | `ms.set_deterministic(True)` (also sets HCCL_DETERMINISTIC, TE_PARALLEL_COMPILER) | CPU, Ascend |
 | hccl_connect_timeout, hccl_exec_timeout, hccl_buffsize | `os.environ[HCCL_...]` | Ascend |
 | compile_cache | `os.environ[MS_COMPILER_CACHE_ENABLE, MS_COMPILER_CACHE_PATH]` (a keyed folder) | CPU, Ascend |
+| lazy_inline | `@ms.lazy_inline(policy="front")` on the decoder layers (telechat_moe.model, not here) | CPU, Ascend |
 
 Graph-kernel fusion has one switch per device: on Ascend jit_level O1 is DVM, MindSpore's own fusion (a recipe at O1
 fuses; fusion.graph_kernel asks for O1 there); on CPU jit_level O1 alone fuses nothing and enable_graph_kernel turns on

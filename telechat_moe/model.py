@@ -11,11 +11,12 @@ the residual stream between the regions is this rank's sequence shard [b, s/tp, 
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import grouped_matmul_for
 from dvm_fusion.rowwise import CrossEntropyCPU
@@ -69,6 +70,34 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), self.zero, self.zero, self.no_load
 
 
+def constants_digest(cell: nn.Cell) -> str:
+    """A digest of every value `cell`'s graph reads as a constant: the attributes of it and its sub-cells but
+    parameters (graph inputs) and MindSpore's creation stamps, tensors by their bytes. Layers with equal digests
+    build the same graph."""
+    digest = hashlib.sha256()
+    for path, sub in cell.cells_and_names():
+        for name, value in sorted(vars(sub).items()):
+            if name in ("_params", "_cells", "_create_time") or isinstance(value, (Parameter, nn.Cell)):
+                continue
+            if isinstance(value, Tensor):
+                value = (value.shape, value.dtype, hashlib.sha256(value.asnumpy().tobytes()).hexdigest())
+            digest.update(f"{path}.{name}={value!r};".encode())
+    return digest.hexdigest()
+
+
+class ReusedDecoderLayer(DecoderLayer):
+    """A DecoderLayer whose graph MindSpore parses, infers and differentiates once for all layers of equal
+    constants (the dense ones, the MoE ones, MTP's), then inlines into each (lazy_inline, policy "front": the
+    backend gets the same flat graph as without it). Compiling small's step took 21 s of its first step, most of it
+    in the frontend, which otherwise walks every layer's copy of the same graph. Keyed by `constants_digest`, so a
+    layer that differs by any constant (none does today, tests/test_layer_reuse.py) gets a graph of its own."""
+
+    @ms.lazy_inline(policy="front", attrs="graph_key")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.graph_key = constants_digest(self)
+
+
 class AbsentLayer(nn.Cell):
     """The place of a decoder layer another pipeline stage holds: no weights, so the layers this stage builds keep
     their names (layers.{i}) and their seeds."""
@@ -90,11 +119,11 @@ class StageParts:
 
 class TeleChatMoE(nn.Cell):
     def __init__(self, cfg: ModelConfig, device_target: str = "CPU", ep: ExpertParallel = ExpertParallel(),
-                 tp: TensorParallel = TensorParallel(), parts: StageParts | None = None):
+                 tp: TensorParallel = TensorParallel(), parts: StageParts | None = None, reuse_layers: bool = True):
         """`ep`: this rank's share of the routed experts and its exchanges (the default: every expert here); `tp`:
         its tensor-parallel group (the default: none); `parts`: what its pipeline stage holds (the default: the
-        whole model). Weights are seeded by MindSpore's global seed and their names, so any part equals the whole
-        model's."""
+        whole model); `reuse_layers`: compile equal decoder layers' graph once (ReusedDecoderLayer). Weights are
+        seeded by MindSpore's global seed and their names, so any part equals the whole model's."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
@@ -103,6 +132,7 @@ class TeleChatMoE(nn.Cell):
         seed = ms.get_seed() or 0
         gmm = grouped_matmul_for(device_target)
         std = cfg.initializer_range
+        layer = ReusedDecoderLayer if reuse_layers else DecoderLayer
         if not parts.embedding:
             self.embed_tokens = None
         elif tp.tp == 1:
@@ -110,7 +140,7 @@ class TeleChatMoE(nn.Cell):
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.transport, std, tp.sp,
                                                        weight_seed(seed, "embed_tokens"))
-        self.layers = nn.CellList([DecoderLayer(cfg, i, gmm, device_target, ep, tp, seed) if i in parts.layers
+        self.layers = nn.CellList([layer(cfg, i, gmm, device_target, ep, tp, seed) if i in parts.layers
                                    else AbsentLayer(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)])
         tail = parts.tail
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target) if tail else None
@@ -124,8 +154,8 @@ class TeleChatMoE(nn.Cell):
         # on CPU one kernel each way for the loss per position (dvm_fusion/rowwise.py)
         self.fused_cross_entropy = CrossEntropyCPU() if device_target != "Ascend" else None
         self.mtp = nn.CellList([
-            MTPBlock(cfg, DecoderLayer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed,
-                                       f"mtp.{d}.block"), seed, f"mtp.{d}", tp, device_target)
+            MTPBlock(cfg, layer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed, f"mtp.{d}.block"),
+                     seed, f"mtp.{d}", tp, device_target)
             for d in range(cfg.num_nextn_predict_layers if tail else 0)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)

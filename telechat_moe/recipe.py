@@ -163,6 +163,9 @@ class ContextConfig:
     # keep compiled graphs between runs (MindSpore's compile cache, keyed here by the recipe, the code and MindSpore's
     # version): a re-run or resume of the same recipe skips the graph compile
     compile_cache: bool = False
+    # compile each kind of decoder layer once and inline it into every layer of that kind (MindSpore's lazy_inline
+    # at the front end: telechat_moe.model.ReusedDecoderLayer); false compiles every layer's copy
+    lazy_inline: bool = True
 
 
 @dataclass

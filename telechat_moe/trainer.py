@@ -345,7 +345,7 @@ class Trainer:
         if self.plan:
             info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} (chunk k on stage k % "
                  f"{self.stages}); placement:\n{self.plan.description}", self.main)
-        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts)
+        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, recipe.context.lazy_inline)
         self.model.set_recompute(recipe.recompute_config.mode)
         o = recipe.optimizer
         self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay,

@@ -157,23 +157,42 @@ def test_steps_do_not_keep_their_gradients_alive(trainer):
     assert _resident_bytes() - start < 3 * gradient_bytes, (_resident_bytes() - start) / 2 ** 20
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_gives_the_same_gradients(trainer, mode):
-    """recompute_config reruns the attention core (selective) or whole layers (full) in the backward: the same
-    operations on the same inputs, so the gradients agree to the rounding of one operation."""
+def _worst_gradient_error(trainer, model) -> float:
+    """The largest relative error of `model`'s gradients (the trainer's weights loaded into it) against the trainer's
+    on one batch."""
     import mindspore as ms
     from mindspore import Tensor
-    from precision.tolerance import relative_error, tolerance
-    from telechat_moe.model import TeleChatMoE
+    from precision.tolerance import relative_error
     from telechat_moe.trainer import ForwardBackward
-    model = TeleChatMoE(trainer.r.model)
     ms.load_param_into_net(model, {p.name: p for p in trainer.model.get_parameters()}, strict_load=True)
-    model.set_recompute(mode)
     weights = ms.ParameterTuple([model.parameters_dict()[p.name] for p in trainer.weights])
     args = (*trainer._tensors(trainer.loader.batch_at(0, 3), slice(None)), Tensor(1.0, ms.float32))
     *_, expected = trainer.forward_backward(*args)
     *_, got = ForwardBackward(model, weights)(*args)
-    worst = max(relative_error(g.asnumpy(), e.asnumpy()) for g, e in zip(got, expected))
+    return max(relative_error(g.asnumpy(), e.asnumpy()) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_the_same_gradients(trainer, mode):
+    """recompute_config reruns the attention core (selective) or whole layers (full) in the backward: the same
+    operations on the same inputs, so the gradients agree to the rounding of one operation."""
+    from precision.tolerance import tolerance
+    from telechat_moe.model import TeleChatMoE
+    model = TeleChatMoE(trainer.r.model)
+    model.set_recompute(mode)
+    worst = _worst_gradient_error(trainer, model)
+    assert worst <= tolerance("float32").rtol, worst
+
+
+def test_layers_compiled_once_give_the_gradients_of_layers_compiled_each(trainer):
+    """The trainer's model compiles each kind of decoder layer once and inlines it into every layer of that kind
+    (ReusedDecoderLayer, lazy_inline): a model compiling every layer's own graph gives the same gradients."""
+    from precision.tolerance import tolerance
+    from telechat_moe.model import ReusedDecoderLayer, TeleChatMoE
+    assert all(isinstance(layer, ReusedDecoderLayer) for layer in trainer.model.layers)
+    model = TeleChatMoE(trainer.r.model, reuse_layers=False)
+    assert not any(isinstance(layer, ReusedDecoderLayer) for layer in model.layers)
+    worst = _worst_gradient_error(trainer, model)
     assert worst <= tolerance("float32").rtol, worst
 
 
