@@ -42,6 +42,12 @@ def one_msrun_at_a_time():
 FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
+def msrun_environment() -> dict[str, str]:
+    """What an msrun job here runs with: the venv's python first on PATH (msrun starts its workers with the first
+    python there) and FAST_CLUSTER."""
+    return {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", **FAST_CLUSTER}
+
+
 def msrun(world: int, log_dir: Path, *args: str, cluster_time_out: int = 60, env: dict | None = None,
           timeout: float = 1200):
     """`msrun --worker_num=world ... ARGS` on this machine with --join=True, the venv's python first on PATH (msrun
@@ -49,11 +55,10 @@ def msrun(world: int, log_dir: Path, *args: str, cluster_time_out: int = 60, env
     `timeout` only guards against a hang that cluster_time_out misses: CI's machines have run these jobs at half this
     machine's speed (a 4-rank migration run took over 600 s there)."""
     command = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    path = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     with one_msrun_at_a_time():
         proc = run_cli(command, f"--worker_num={world}", f"--local_worker_num={world}",
                        f"--master_port={free_port()}", "--join=True", f"--log_dir={log_dir}",
-                       f"--cluster_time_out={cluster_time_out}", *args, env={**path, **FAST_CLUSTER, **(env or {})},
+                       f"--cluster_time_out={cluster_time_out}", *args, env={**msrun_environment(), **(env or {})},
                        timeout=timeout)
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in Path(log_dir).glob("worker_*.log"))
     return proc, logs

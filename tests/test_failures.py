@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import (CORPUS, FAST_CLUSTER, ROOT, assert_one_line_error, free_port, one_msrun_at_a_time, run_cli,
-                           run_main)
+from tests.helpers import (CORPUS, ROOT, assert_one_line_error, free_port, msrun_environment, one_msrun_at_a_time,
+                           run_cli, run_main)
 from tests.test_training import NO_EVAL, SHORT, _digest, sets
 
 # SHORT with a smaller model (2 layers, 4 experts): these runs test files and messages, not learning.
@@ -224,7 +224,7 @@ def test_a_killed_worker_leaves_one_line_in_every_other_log(earlier_run, tmp_pat
     is then waiting in the experts' all-to-all for a peer that is gone."""
     out, logs = tmp_path / "out", tmp_path / "msrun_logs"
     msrun = shutil.which("msrun", path=os.path.dirname(sys.executable))
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", **FAST_CLUSTER, "MS_NODE_TIMEOUT": "10"}
+    env = {**msrun_environment(), "MS_NODE_TIMEOUT": "10"}
     with one_msrun_at_a_time():          # the job runs until it is killed: alone, as every msrun job here
         proc = run_cli(msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}", "--join=False",
                        f"--log_dir={logs}", "--cluster_time_out=60", "run_train.py", "--recipe", "tiny",
