@@ -11,7 +11,10 @@ from functools import cache
 import mindspore as ms
 from mindspore import ops
 
-from dvm_fusion.native import library
+from dvm_fusion.native import each_float32, library
+
+
+_each = ops.HyperMap()     # not a comprehension: see native.each_float32
 
 
 @cache
@@ -22,11 +25,15 @@ def _kernel():
 
 def square_sums_cpu(tensors: tuple):
     """tensors (any shapes) -> float32 [len(tensors)]: sum(t ** 2) of each."""
-    return _kernel()(*[t if t.dtype == ms.float32 else t.astype(ms.float32) for t in tensors])
+    return _kernel()(*each_float32(tensors))
+
+
+def _square_sum(t):
+    return ops.sum(ops.square(t))
 
 
 def square_sums_reference(tensors: tuple):
-    return ops.stack([ops.sum(ops.square(t.astype(ms.float32))) for t in tensors])
+    return ops.stack(_each(_square_sum, each_float32(tensors)))
 
 
 def square_sums_for(device_target: str):

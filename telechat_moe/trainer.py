@@ -32,7 +32,7 @@ from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
 from dvm_fusion.grouped_matmul import KERNEL_CLOCK
 from dvm_fusion.square_sums import square_sums_for
-from parallel.comm import AllReduce, ProcessGroups, transport_for
+from parallel.comm import ProcessGroups, transport_for
 from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
 from parallel.tp.mappings import TensorParallel
@@ -108,11 +108,12 @@ class PrepareGradients(nn.Cell):
             Tensor(np.array([float(c and k in of) for k, c in zip(kinds, counted)], np.float32))
             for of in ((REPLICATED, PARTIAL), (TP_SHARD,), (EXPERT,)))
         self.square_sums = square_sums_for(device_target)
-        self.dense_sum = AllReduce(comm.dp)
-        self.tp_sum = AllReduce(comm.tp)
-        self.expert_sum = AllReduce(comm.edp)
-        self.shard_sum = AllReduce(comm.ep)
-        self.stage_sum = AllReduce(pp) if pp is not None else None
+        # Sums over ranks call the transports, not the collectives' Cells: nothing here is differentiated, and each
+        # Cell call is a graph of its own to compile per gradient shape (with the loop below, 4 s of small's first
+        # step). Groups of one rank are left out when the graph is traced.
+        self.dense, self.tp, self.edp, self.ep = comm.dp, comm.tp, comm.edp, comm.ep
+        self.summed = any(t.group.size > 1 for t in (comm.dp, comm.tp, comm.edp))
+        self.stages = pp
         self.dp = dp
         self.clip = clip
 
@@ -122,20 +123,22 @@ class PrepareGradients(nn.Cell):
         to the raw sums, and the norm is the raw sums' norm times the unscaling: three elementwise passes over
         every gradient fewer than scaling first (on tiny, 90 of 1400 ms a step). The optimizer applies the factor
         inside its update (on CPU in the same pass)."""
-        reduced = ()
-        for i in range(len(grads)):
-            if self.kinds[i] == EXPERT:
-                g = self.expert_sum(grads[i])
-            elif self.kinds[i] == PARTIAL:
-                g = self.tp_sum(self.dense_sum(grads[i]))
-            else:
-                g = self.dense_sum(grads[i])
-            reduced = reduced + (g,)
+        reduced = grads
+        if self.summed:
+            reduced = ()
+            for i in range(len(grads)):
+                if self.kinds[i] == EXPERT:
+                    g = self.edp.all_reduce(grads[i])
+                elif self.kinds[i] == PARTIAL:
+                    g = self.tp.all_reduce(self.dense.all_reduce(grads[i]))
+                else:
+                    g = self.dense.all_reduce(grads[i])
+                reduced = reduced + (g,)
         each = self.square_sums(reduced)          # one kernel on CPU instead of about five per gradient
-        squares = ((each * self.dense_mask).sum() + self.tp_sum((each * self.tp_mask).sum())
-                   + self.shard_sum((each * self.expert_mask).sum()))
-        if self.stage_sum is not None:
-            squares = self.stage_sum(squares)
+        squares = ((each * self.dense_mask).sum() + self.tp.all_reduce((each * self.tp_mask).sum())
+                   + self.ep.all_reduce((each * self.expert_mask).sum()))
+        if self.stages is not None:
+            squares = self.stages.all_reduce(squares)
         unscale = grad_scale / self.dp
         norm = ops.sqrt(squares) * unscale
         finite = ops.isfinite(norm)
