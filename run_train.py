@@ -73,6 +73,9 @@ def train(recipe, resume: bool) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
+    from dvm_fusion import BLAS_ENVIRONMENT
+    for name, value in BLAS_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     from oneline import InputError
     from telechat_moe.errors import RecipeError
     from telechat_moe.launch import PeerStopped, check_tokenizer, check_writable, has_ascend

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dvm_fusion import BLAS_ENVIRONMENT
 from oneline import OneLineParser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +40,9 @@ GEMM_N = 4096
 
 
 def thread_environment(threads: int) -> dict:
-    """The environment of every child: BLAS/OpenMP pools of both frameworks sized before they start."""
-    env = dict(os.environ)
+    """The environment of every child: BLAS/OpenMP pools of both frameworks sized before they start, and the BLAS
+    settings run_train.py gives a training process (the HF side's torch does not use that BLAS)."""
+    env = dict(os.environ, **BLAS_ENVIRONMENT)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     return env

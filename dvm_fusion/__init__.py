@@ -22,3 +22,9 @@ kernel with its own backward, bound to the same contract on both devices.
   which DVM fuses): `rowwise.py` (SwiGLU, RMSNorm, attention's masked softmax, the cross-entropy, the MoE combine,
   each with its own backward), `square_sums.py` (the gradient norm's squares), `adamw.py` (AdamW's update in place).
 """
+
+# NumPy's OpenBLAS, which the experts' kernel calls, keeps its idle threads spinning for 2^28 cycles (about 0.1 s)
+# after each call by default: on a CPU of few cores they take a core from the MindSpore kernels that run next.
+# With 2^4 they sleep at once: tiny's step (MTP off, 2 cores) 304-349 -> 251-294 ms, six alternating pairs.
+# OpenBLAS reads it when it loads, so a process sets it before importing NumPy (run_train.py does).
+BLAS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "4"}
