@@ -2,7 +2,7 @@
 single pass over any number of parameters, in place (kernels/adamw.cc, built by `native.py`). The optimizer calls
 it once over all of them.
 
-`AdamWUpdateCPU()(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays)` writes the Parameters and their
+`adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays)` writes the Parameters and their
 moments through their own buffers, as MindSpore's AdamWeightDecay does; the primitive is marked `side_effect_mem`,
 so the graph keeps the call although nothing reads its one-element output, and orders it with the graph's other
 reads and writes of those Parameters. `hyper` is `adamw_hyper(...)`'s float32 [9]; a step whose `finite` is false
@@ -16,7 +16,7 @@ from functools import cache
 import os
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import ops
 
 from dvm_fusion.native import each_float32, library
 
@@ -42,17 +42,9 @@ def adamw_hyper(lr, beta1, beta2, eps, grad_factor, correction1, root_correction
                       (lr, beta1, beta2, eps, grad_factor, correction1, root_correction2, threads, finite)])
 
 
-class AdamWUpdateCPU(nn.Cell):
-    """One AdamW step of float32 Parameters and their moments in place, all in one kernel call (its elements end to
-    end split over the threads); a Cell, so that a profile names the kernel by it (a plain function's operators
-    lose the calling cell's scope). A call per parameter, as before, took 24 ms of a tiny step against 19.
-    Call: (params, exp_avgs, exp_avg_sqs, grads: tuples of n; hyper: adamw_hyper(...); weight_decays: float32
-    [n], one rate a parameter) -> the kernel's status, float32 [1] (0)."""
-
-    def __init__(self):
-        super().__init__()
-        self.kernel = _kernel()
-
-    def construct(self, params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays):
-        return self.kernel(*(tuple(params) + tuple(exp_avgs) + tuple(exp_avg_sqs) + each_float32(tuple(grads))
-                             + (hyper, weight_decays)))
+def adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays):
+    """One AdamW step of float32 `params` (a tuple) and their moments in place, all in one kernel call (their
+    elements end to end split over the threads); `weight_decays` float32 [n], one rate a parameter. Returns the
+    kernel's status ([1], 0)."""
+    return _kernel()(*(tuple(params) + tuple(exp_avgs) + tuple(exp_avg_sqs) + each_float32(tuple(grads))
+                       + (hyper, weight_decays)))

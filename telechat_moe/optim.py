@@ -12,7 +12,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.nn.optim.adam import _fused_adam_weight_decay
 
-from dvm_fusion.adamw import AdamWUpdateCPU, adamw_hyper, cpu_threads
+from dvm_fusion.adamw import adamw_hyper, adamw_update_cpu, cpu_threads
 
 
 def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kind: str) -> float:
@@ -38,7 +38,6 @@ class AdamW(nn.AdamWeightDecay):
     def __init__(self, params, learning_rate, beta1: float, beta2: float, eps: float, device_target: str = "CPU"):
         super().__init__(params, learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps)
         self.fused = device_target != "Ascend"
-        self.update = AdamWUpdateCPU() if self.fused else None
         self.threads = Tensor(cpu_threads(), ms.float32)
         self.weight_decays = Tensor([float(w.asnumpy()) for w in self.weight_decay], ms.float32)
 
@@ -58,7 +57,9 @@ class AdamW(nn.AdamWeightDecay):
             bc1, root_bc2 = self.corrections()
             hyper = adamw_hyper(self.get_lr(), self.beta1, self.beta2, self.eps, grad_factor, bc1, root_bc2,
                                 self.threads, finite)
-            return self.update(self._parameters, self.moments1, self.moments2, gradients, hyper, self.weight_decays)
+            # one call over all parameters (a profile of each: a call per parameter took 24 ms of a tiny step, this 19)
+            return adamw_update_cpu(self._parameters, self.moments1, self.moments2, gradients, hyper,
+                                    self.weight_decays)
         if finite:
             self.assignadd(self.global_step, self.global_step_increase_tensor)
             bc1, root_bc2 = self.corrections()

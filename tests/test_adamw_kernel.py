@@ -22,7 +22,7 @@ def _graph_mode():
 def _updater(arrays, threads: int):
     import mindspore as ms
     from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
-    from dvm_fusion.adamw import AdamWUpdateCPU, adamw_hyper
+    from dvm_fusion.adamw import adamw_hyper, adamw_update_cpu
 
     class Update(nn.Cell):
         def __init__(self):
@@ -30,7 +30,6 @@ def _updater(arrays, threads: int):
             self.p = ParameterTuple([Parameter(Tensor(a), name=f"p{i}") for i, a in enumerate(arrays)])
             self.m = self.p.clone("m", "zeros")
             self.v = self.p.clone("v", "zeros")
-            self.update = AdamWUpdateCPU()
             self.threads = Tensor(threads, ms.float32)
 
         def construct(self, grads, decays, lr, factor, step, finite):
@@ -38,7 +37,7 @@ def _updater(arrays, threads: int):
             bc1 = 1.0 - ops.pow(beta1, step)
             root_bc2 = ops.sqrt(1.0 - ops.pow(beta2, step))
             hyper = adamw_hyper(lr, beta1, beta2, eps, factor, bc1, root_bc2, self.threads, finite)
-            return self.update(self.p, self.m, self.v, grads, hyper, decays)
+            return adamw_update_cpu(self.p, self.m, self.v, grads, hyper, decays)
 
     return Update()
 
