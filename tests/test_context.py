@@ -355,3 +355,22 @@ def test_launch_on_a_machine_without_npu_stops_with_one_line(tmp_path):
                   *[x for s in FOUR_NODES for x in ("--set", s)])
     assert_one_line_error(proc, "targets Ascend", "no Ascend device")
     assert "ARG" not in proc.stdout
+
+
+def test_run_train_sets_the_blas_environment_before_numpy_loads():
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads (dvm_fusion.BLAS_ENVIRONMENT): run_train.py must set it
+    before anything imports NumPy, and keep a value the user gave."""
+    import subprocess
+    from dvm_fusion import BLAS_ENVIRONMENT
+    probe = ("import os, sys, run_train\n"
+             "loaded = 'numpy' in sys.modules\n"
+             "run_train.main(['--recipe', 'tiny', '--dry-run'])\n"
+             "print(loaded, os.environ['OPENBLAS_THREAD_TIMEOUT'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_ENVIRONMENT}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["False", BLAS_ENVIRONMENT["OPENBLAS_THREAD_TIMEOUT"]]
+    given = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                           env=dict(env, OPENBLAS_THREAD_TIMEOUT="20"))
+    assert given.returncode == 0, given.stderr[-2000:]
+    assert given.stdout.split()[-2:] == ["False", "20"]
