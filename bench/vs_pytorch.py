@@ -41,8 +41,9 @@ GEMM_N = 4096
 
 def thread_environment(threads: int) -> dict:
     """The environment of every child: BLAS/OpenMP pools of both frameworks sized before they start, and the BLAS
-    settings run_train.py gives a training process (the HF side's torch does not use that BLAS)."""
-    env = dict(os.environ, **BLAS_ENVIRONMENT)
+    settings run_train.py gives a training process, a value already set kept as there (the HF side's torch does not
+    use that BLAS)."""
+    env = {**BLAS_ENVIRONMENT, **os.environ}
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     return env
