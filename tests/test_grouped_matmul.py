@@ -69,7 +69,7 @@ def test_groups_past_the_rows_stop_the_kernel_instead_of_writing_past_its_buffer
         grouped_matmul_cpu(x, w, Tensor(np.array([3, 3], np.int32))).asnumpy()
 
 
-def test_kernel_library_is_built_once_per_source_and_needs_g_plus_plus(tmp_path, monkeypatch):
+def test_kernel_library_is_built_once_per_source_and_compiler_and_needs_g_plus_plus(tmp_path, monkeypatch):
     from dvm_fusion import native
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     built = native.library("grouped_matmul")
@@ -77,8 +77,12 @@ def test_kernel_library_is_built_once_per_source_and_needs_g_plus_plus(tmp_path,
     stamp = built.stat().st_mtime_ns
     assert native.library("grouped_matmul") == built and built.stat().st_mtime_ns == stamp
     assert [p.name for p in built.parent.glob("*.tmp")] == []
+    path, version = native.compiler()
+    monkeypatch.setattr(native, "compiler", lambda: (path, version + " (another build)"))
+    other = native.library("grouped_matmul")    # another compiler: another library, beside the first
+    assert other != built and other.parent == built.parent and built.exists()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native, "compiler", lambda: ("", ""))
     with pytest.raises(native.KernelBuildError, match="grouped_matmul.cc: building the CPU kernels needs g\\+\\+"):
         native.library("grouped_matmul")
 
