@@ -55,8 +55,8 @@ def train(recipe, resume: bool) -> None:
             if not locked:
                 held.enter_context(locked_output_dir(recipe.output_dir, rank))
             validate(recipe, world)
-            from parallel.planner.machine import gemm_flops
-            trainer = Trainer(recipe, rank, world, peak_flops=recipe.context.peak_tflops * 1e12 or gemm_flops())
+            from telechat_moe.metrics import peak_gemm_flops
+            trainer = Trainer(recipe, rank, world, peak_flops=recipe.context.peak_tflops * 1e12 or peak_gemm_flops())
             if resume:
                 trainer.resume()
             trainer.fit()

@@ -15,6 +15,35 @@ from pathlib import Path
 import numpy as np
 
 
+def peak_gemm_flops(measure=None) -> float:
+    """This CPU's fp32 GEMM peak at this process's BLAS thread count, the denominator of the logged MFU: the higher of
+    a measurement now (`measure`, by default parallel.planner.machine.gemm_flops, 0.2 s) and the highest measured
+    before on the same CPU at the same thread count, kept in <cache>/peak_flops.json. One short measurement reads low
+    when the machine is busy for that moment (a small run once logged MFU 122% after one at half the rate); a peak is
+    the best the CPU has shown."""
+    import hashlib
+    from data_sched.default_corpus import cache_dir
+    from dvm_fusion.native import cpu_identity
+    if measure is None:
+        from parallel.planner.machine import gemm_flops as measure
+    threads = (os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+               or str(len(os.sched_getaffinity(0))))
+    key = hashlib.sha256(f"{cpu_identity()}\nthreads {threads}".encode()).hexdigest()[:16]
+    path = cache_dir() / "peak_flops.json"
+    try:
+        known = json.loads(path.read_text())
+        best = float(known.get(key, 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        known, best = {}, 0.0
+    now = measure()
+    if now > best:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({**known, key: now}))
+        os.replace(partial, path)       # whole or absent: a process starting beside this one never reads half
+    return max(now, best)
+
+
 def format_eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)

@@ -159,7 +159,7 @@ class ContextConfig:
     hccl_connect_timeout: int = 0         # seconds to build the links, HCCL_CONNECT_TIMEOUT: 120 to 7200 (HCCL: 120)
     hccl_exec_timeout: int = 0            # seconds a collective waits for its peers, HCCL_EXEC_TIMEOUT (HCCL: 1836)
     hccl_buffsize: int = 0                # MB of buffer per communicator, HCCL_BUFFSIZE (HCCL: 200)
-    peak_tflops: float = 0.0              # for MFU; 0: measured fp32 GEMM FLOP/s of this machine
+    peak_tflops: float = 0.0              # for MFU; 0: this CPU's fp32 GEMM peak (metrics.peak_gemm_flops)
     # keep compiled graphs between runs (MindSpore's compile cache, keyed here by the recipe, the code and MindSpore's
     # version): a re-run or resume of the same recipe skips the graph compile
     compile_cache: bool = False
