@@ -58,9 +58,29 @@ def rope_tables(cfg: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
     return (np.cos(emb) * scaling).astype(np.float32), (np.sin(emb) * scaling).astype(np.float32)
 
 
+class _SplitLast(nn.Cell):
+    """x [..., n] -> (x[..., :first], x[..., first:]), whose gradient is the two gradients concatenated. MindSpore
+    differentiates each slice apart, to a zero tensor of the whole input with the slice written in, and adds the two
+    (small: 60 StridedSliceGrads and 24 AddNs a step, 30 and 11 ms, where a Concat does it)."""
+
+    def construct(self, x, first):
+        return x[..., :first], x[..., first:]
+
+    def bprop(self, x, first, out, dout):
+        return ops.cat(dout, -1), 0
+
+
+_SPLIT_LAST = _SplitLast()
+
+
+def split_last(x, first: int):
+    """(x[..., :first], x[..., first:]), differentiated as one split."""
+    return _SPLIT_LAST(x, first)
+
+
 def rotate_half(x):
-    half = x.shape[-1] // 2
-    return ops.cat((-x[..., half:], x[..., :half]), -1)
+    first, second = split_last(x, x.shape[-1] // 2)
+    return ops.cat((-second, first), -1)
 
 
 def apply_rope(x, cos, sin):
@@ -155,13 +175,13 @@ class MultiLatentAttention(nn.Cell):
         else:
             q = self.q_proj(x)
         q = q.reshape(b, s, h, self.nope + self.rope).transpose(0, 2, 1, 3)
-        q_nope, q_rot = q[..., :self.nope], q[..., self.nope:]
+        q_nope, q_rot = split_last(q, self.nope)
 
-        compressed = self.kv_a_proj_with_mqa(x)
-        kv = self.kv_b_proj(self.kv_a_layernorm(compressed[..., :self.cfg.kv_lora_rank]))
+        latent, k_rot = split_last(self.kv_a_proj_with_mqa(x), self.cfg.kv_lora_rank)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
         kv = kv.reshape(b, s, h, self.nope + self.v_dim).transpose(0, 2, 1, 3)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        k_rot = compressed[..., self.cfg.kv_lora_rank:].reshape(b, 1, s, self.rope)
+        k_nope, v = split_last(kv, self.nope)
+        k_rot = k_rot.reshape(b, 1, s, self.rope)
 
         q_rot = apply_rope(q_rot.astype(ms.float32), cos, sin).astype(q.dtype)
         k_rot = apply_rope(k_rot.astype(ms.float32), cos, sin).astype(q.dtype)

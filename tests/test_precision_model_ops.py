@@ -150,3 +150,27 @@ def test_model_yarn_tables_match_the_reference():
     # tables built in float64 and rounded once: one float32 rounding (see TOLERANCES.md on float32 angles)
     np.testing.assert_allclose(cos, ref_cos, rtol=0, atol=tolerance("float32").rtol)
     np.testing.assert_allclose(sin, ref_sin, rtol=0, atol=tolerance("float32").rtol)
+
+
+def test_split_last_gives_the_slices_and_their_gradient_exactly():
+    from telechat_moe.mla import split_last
+    rng = np.random.default_rng(3)
+    x = Tensor(rng.standard_normal((2, 3, 5, 48)).astype(np.float32))
+    w1, w2 = (Tensor(rng.standard_normal((2, 3, 5, n)).astype(np.float32)) for n in (32, 16))
+
+    def through_split(x):
+        first, second = split_last(x, 32)
+        return (first * w1).sum() + (second * second * w2).sum()
+
+    def through_slices(x):
+        return (x[..., :32] * w1).sum() + (x[..., 32:] * x[..., 32:] * w2).sum()
+
+    first, second = split_last(x, 32)
+    assert np.array_equal(first.asnumpy(), x.asnumpy()[..., :32])
+    assert np.array_equal(second.asnumpy(), x.asnumpy()[..., 32:])
+    for mode in (ms.PYNATIVE_MODE, ms.GRAPH_MODE):
+        ms.set_context(mode=mode)
+        try:
+            assert np.array_equal(ms.grad(through_split)(x).asnumpy(), ms.grad(through_slices)(x).asnumpy())
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
