@@ -2,8 +2,11 @@
 side by side on this CPU: the same model (our recipe's config and initial weights through hf_adapter), the same
 batches, fp32, the same thread count.
 
-Each side runs in a child process of its own, alternating (ours, HF, ours, HF, ...) for several rounds, because
-these machines drift by tens of percent between minutes: only ratios within a round mean much. Per round and side:
+Each side runs in a child process of its own, the two alternating for several rounds, because these machines drift
+by tens of percent between minutes: only ratios within a round mean much. The side that goes first alternates too
+(ours then HF, HF then ours, ...), and the files the preparation wrote are flushed to disk before the first round:
+when ours always went first, its round 1 was its slowest of three in each of three runs on tiny (3403 against 3958
+and 4184 tok/s in one), the preparation's writeback the likely cause. Per round and side:
 the median tokens/s over the timed steps after warm-up, the first step (graph compile for ours), the child's peak
 resident set, and the share of a large-GEMM rate measured once at the start in the same run (a 4096^3 fp32 GEMM
 through numpy and through MindSpore's MatMul, at the same thread count; the higher of the two is the denominator).
@@ -209,10 +212,11 @@ def compare(model: str, args, peak: float) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"vs_pytorch_{model}_") as work:
         progress(f"{model}: preparing config, initial weights and {steps_needed(args)} batches")
         prepared = run_child("prepare", args, model, work, peak)
+        os.sync()
         tokens = prepared["tokens_per_step"]
         for r in range(args.rounds):
             sides = {}
-            for side in ("ours", "hf"):
+            for side in ("ours", "hf")[::1 if r % 2 == 0 else -1]:
                 progress(f"{model}: round {r + 1}/{args.rounds}, {side} ...")
                 res = run_child(side, args, model, work, peak)
                 if res["parameters"] != prepared["parameters"]:
