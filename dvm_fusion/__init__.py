@@ -19,8 +19,9 @@ kernel with its own backward, bound to the same contract on both devices.
 - `varlen_attention.py`: per-document causal attention. CPU: an `ops.Custom` pyfunc, tiled; Ascend: MindSpore's
   FlashAttentionScore with the TND layout.
 - CPU-only kernels where MindSpore's CPU runtime is slow at a chain of small operators (Ascend keeps the chain,
-  which DVM fuses): `rowwise.py` (SwiGLU, RMSNorm, attention's masked softmax, the cross-entropy, the MoE combine,
-  each with its own backward), `square_sums.py` (the gradient norm's squares), `adamw.py` (AdamW's update in place).
+  which DVM fuses): `rowwise.py` (SwiGLU, RMSNorm, rotary embedding, attention's masked softmax, the cross-entropy,
+  the MoE combine, each with its own backward), `square_sums.py` (the gradient norm's squares), `adamw.py` (AdamW's
+  update in place).
 """
 
 # NumPy's OpenBLAS, which the experts' kernel calls, keeps its idle threads spinning for 2^28 cycles (about 0.1 s)

@@ -8,6 +8,8 @@ cross-entropy and the MoE combine.
 - `RmsNormCPU(eps)`: RMSNorm of float32 rows (the composition is about eight kernels forward and twenty backward).
 - `BiasSoftmaxCPU(scale)`: attention's softmax(scores * scale + mask) (a Mul, an Add and a Softmax forward; the
   softmax gradient's expansion, the mask's broadcast gradient and a Mul backward).
+- `rope_cpu(x, cos, sin)`: rotary embedding, x * cos + rotate_half(x) * sin (two slices, a Neg, a Concat, two Muls
+  and an Add forward, about ten kernels backward; two per attention layer).
 - `CrossEntropyCPU()`: the language-model loss per position, -log softmax(logits)[label] times the loss mask (a
   LogSoftmax, a gather and their gradients, the gather's a scatter into a zeroed [N, V] tensor).
 - `WeightedCombineCPU(top_k)`: the local dispatcher's combine, out[token[r]] += weight[r] * y[r] over the expert
@@ -140,6 +142,25 @@ class BiasSoftmaxCPU(nn.Cell):
 
     def construct(self, scores, bias):
         return self.kernel(scores, bias, self.scale)
+
+
+@cache
+def _rope_cpu():
+    lib = library("rowwise")
+    grad = ops.Custom(f"{lib}:RopeGrad", out_shape=lambda dy, cos, sin: dy, out_dtype=_float32, func_type="aot")
+
+    def bprop(x, cos, sin, out, dout):
+        # the tables are functions of the positions: nothing upstream takes their gradient
+        return grad(dout, cos, sin), ops.zeros_like(cos), ops.zeros_like(sin)
+
+    return ops.Custom(f"{lib}:Rope", out_shape=lambda x, cos, sin: x, out_dtype=_float32, func_type="aot",
+                      bprop=bprop)
+
+
+def rope_cpu(x, cos, sin):
+    """x [b, heads, s, d] float32, cos and sin [b or 1, 1, s, d] float32 -> x * cos + rotate_half(x) * sin, where
+    rotate_half(x1 | x2) = -x2 | x1 over the halves of d."""
+    return _rope_cpu()(x, cos, sin)
 
 
 @cache

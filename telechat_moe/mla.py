@@ -18,7 +18,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from dvm_fusion.rowwise import BiasSoftmaxCPU
+from dvm_fusion.rowwise import BiasSoftmaxCPU, rope_cpu
 from telechat_moe.config import ModelConfig, yarn_mscale
 from parallel.tp.mappings import EnterRegion, TensorParallel
 from telechat_moe.layers import Linear, RMSNorm, column_linear, ms_dtype, row_linear, weight_seed
@@ -162,6 +162,8 @@ class MultiLatentAttention(nn.Cell):
                                        tp, input_ready=True)
         self.o_proj = row_linear(H * self.v_dim, cfg.hidden_size, std, cdt, seed_of("o_proj"), tp)
         self.core = AttentionCore(cfg, device_target)
+        # on CPU one kernel each way (dvm_fusion/rowwise.py) instead of about seven forward and ten backward
+        self.rotary = apply_rope if device_target == "Ascend" else rope_cpu
 
     def construct(self, x, cos, sin, mask):
         """`mask` is what the attention kernel needs: the additive bias [b, 1, s, s] (dense) or the segment ids
@@ -183,8 +185,8 @@ class MultiLatentAttention(nn.Cell):
         k_nope, v = split_last(kv, self.nope)
         k_rot = k_rot.reshape(b, 1, s, self.rope)
 
-        q_rot = apply_rope(q_rot.astype(ms.float32), cos, sin).astype(q.dtype)
-        k_rot = apply_rope(k_rot.astype(ms.float32), cos, sin).astype(q.dtype)
+        q_rot = self.rotary(q_rot.astype(ms.float32), cos, sin).astype(q.dtype)
+        k_rot = self.rotary(k_rot.astype(ms.float32), cos, sin).astype(q.dtype)
         query = ops.cat((q_nope, q_rot), -1)
         key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, s, self.rope))), -1)
 

@@ -170,3 +170,27 @@ def test_a_token_id_out_of_range_stops_the_combine_kernel():
     y, w = Tensor(np.ones((4, 3), np.float32)), Tensor(np.ones(4, np.float32))
     with pytest.raises(RuntimeError, match="function\\(WeightedCombine\\) is 3"):
         ms.jit(WeightedCombineCPU(2))(y, w, Tensor(np.array([0, 1, 2, 1], np.int32))).asnumpy()
+
+
+@pytest.mark.parametrize("tables", [2, 1])
+def test_rope_matches_the_models_rotate_half_composition_forward_and_backward(tables):
+    import mindspore as ms
+    from mindspore import Tensor
+    from dvm_fusion.rowwise import rope_cpu
+    from telechat_moe.mla import apply_rope, rope_tables
+    from telechat_moe.config import ModelConfig
+    _graph_mode()
+    rng = np.random.default_rng(6)
+    b, heads, s, d = 2, 3, 11, 16
+    cos, sin = rope_tables(ModelConfig(qk_rope_head_dim=d), s)
+    positions = rng.integers(0, s, (tables, s))             # per-document positions, as the model gathers them
+    cos, sin = (Tensor(t[positions][:, None]) for t in (cos, sin))
+    x = Tensor(rng.standard_normal((b, heads, s, d)).astype(np.float32))
+    dy = Tensor(rng.standard_normal((b, heads, s, d)).astype(np.float32))
+    results = {name: _output_and_grads(fn, (x, cos, sin), dy, 0)
+               for name, fn in (("kernel", rope_cpu), ("composition", apply_rope))}
+    for i, what in enumerate(("forward", "dx")):
+        assert_close(results["kernel"][i], results["composition"][i].astype(np.float64), tolerance("float32", 2),
+                     what)
+    with pytest.raises(RuntimeError, match="function\\(Rope\\) is 2"):
+        ms.jit(rope_cpu)(Tensor(np.ones((2, 3, 11, 15), np.float32)), cos[..., :15], sin[..., :15]).asnumpy()

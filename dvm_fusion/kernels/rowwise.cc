@@ -11,6 +11,9 @@
 //   BiasSoftmax:         probs = softmax(scores * scale + bias) over the last axis; scores [b, heads, s, t], bias
 //                        [b, 1, s, t] (attention's document mask), scale a float32 [1] input
 //   BiasSoftmaxGrad:     (probs, dprobs, scale) -> d scores = scale * probs * (dprobs - sum(probs * dprobs))
+//   Rope:                y [b, H, s, d] = x * cos + rotate_half(x) * sin, rotate_half(x1 | x2) = -x2 | x1 over the
+//                        halves of d; cos, sin [b, 1, s, d] (one table row per position, shared by the heads)
+//   RopeGrad:            (dy, cos, sin) -> dx = dy * cos + (dy2 * sin2 | -dy1 * sin1), rotate_half's transpose
 //   CrossEntropy:        nll [N] = mask * (logsumexp(logits row) - logits[label]), logits [N, V], labels [N] int32,
 //                        mask [N]; a masked-out row's label is not read
 //   CrossEntropyGrad:    (logits, labels, mask, dnll) -> dlogits = dnll * mask * (softmax(row) - onehot(label))
@@ -77,6 +80,28 @@ inline void swiglu_row_grad(const float *__restrict g, const float *__restrict u
 bool tokens_fit(const int32_t *token, int64_t rows, int64_t tokens) {
   for (int64_t r = 0; r < rows; ++r)
     if (token[r] < 0 || token[r] >= tokens) return false;
+  return true;
+}
+
+// x [b, H, s, d] against tables [b or 1, 1, s, d]: `row(x row, cos row, sin row, out row, d / 2)` for every row;
+// false (and nothing done) for other shapes
+template <class Row>
+bool rope_rows(int nparam, void **params, int *ndims, int64_t **shapes, Row row) {
+  if (ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4) return false;
+  const int64_t batch = shapes[0][0], heads = shapes[0][1], rows = shapes[0][2], d = shapes[0][3];
+  const int64_t tables = shapes[1][0];
+  for (int i = 1; i < 3; ++i)
+    if (shapes[i][0] != tables || shapes[i][1] != 1 || shapes[i][2] != rows || shapes[i][3] != d) return false;
+  if ((tables != batch && tables != 1) || d % 2 != 0) return false;
+  const float *x = static_cast<const float *>(params[0]), *cos = static_cast<const float *>(params[1]);
+  const float *sin = static_cast<const float *>(params[2]);
+  float *out = static_cast<float *>(params[nparam - 1]);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t hd = 0; hd < heads; ++hd)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = ((b * heads + hd) * rows + r) * d, table = ((tables == 1 ? 0 : b) * rows + r) * d;
+        row(x + at, cos + table, sin + table, out + at, d / 2);
+      }
   return true;
 }
 
@@ -219,6 +244,31 @@ int BiasSoftmaxGrad(int nparam, void **params, int *ndims, int64_t **shapes, con
     for (int64_t j = 0; j < cols; ++j) out[j] = scale * p[j] * (d[j] - dot);
   }
   return 0;
+}
+
+// 0 on success; 1: not float32; 2: shapes that are not x [b, H, s, d] (d even) with tables [b or 1, 1, s, d]
+int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
+  if (!all_float32(nparam, dtypes, -1)) return 1;
+  const bool fit = rope_rows(nparam, params, ndims, shapes, [](const float *__restrict x, const float *__restrict c,
+                                       const float *__restrict s, float *__restrict y, int64_t half) {
+    for (int64_t j = 0; j < half; ++j) {
+      y[j] = x[j] * c[j] - x[j + half] * s[j];
+      y[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+    }
+  });
+  return fit ? 0 : 2;
+}
+
+int RopeGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
+  if (!all_float32(nparam, dtypes, -1)) return 1;
+  const bool fit = rope_rows(nparam, params, ndims, shapes, [](const float *__restrict dy, const float *__restrict c,
+                                       const float *__restrict s, float *__restrict dx, int64_t half) {
+    for (int64_t j = 0; j < half; ++j) {
+      dx[j] = dy[j] * c[j] + dy[j + half] * s[j + half];
+      dx[j + half] = dy[j + half] * c[j + half] - dy[j] * s[j];
+    }
+  });
+  return fit ? 0 : 2;
 }
 
 // max and sum of exp(x - max) of a row: its logsumexp is max + log(sum)
