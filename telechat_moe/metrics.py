@@ -23,11 +23,12 @@ def peak_gemm_flops(measure=None) -> float:
     the best the CPU has shown."""
     import hashlib
     from data_sched.default_corpus import cache_dir
+    from dvm_fusion.adamw import cpu_threads
     from dvm_fusion.native import cpu_identity
+    from parallel.planner.report import write_atomically
     if measure is None:
         from parallel.planner.machine import gemm_flops as measure
-    threads = (os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-               or str(len(os.sched_getaffinity(0))))
+    threads = os.environ.get("OPENBLAS_NUM_THREADS") or str(cpu_threads())     # OpenBLAS reads its own first
     key = hashlib.sha256(f"{cpu_identity()}\nthreads {threads}".encode()).hexdigest()[:16]
     path = cache_dir() / "peak_flops.json"
     try:
@@ -38,9 +39,7 @@ def peak_gemm_flops(measure=None) -> float:
     now = measure()
     if now > best:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({**known, key: now}))
-        os.replace(partial, path)       # whole or absent: a process starting beside this one never reads half
+        write_atomically(path, json.dumps({**known, key: now}))   # a process starting beside this never reads half
     return max(now, best)
 
 
