@@ -22,7 +22,8 @@ import yaml
 
 from oneline import InputError, OneLineParser
 from parallel.layout import EP_SCHEMES, RECOMPUTE, LayoutError, ParallelLayout, check_model_fit, global_batch_splits
-from parallel.planner.cost_model import Layouts, Workload, evaluate
+from parallel.planner.cost_model import evaluate
+from parallel.planner.workload import Layouts, Workload
 from parallel.planner.model_shape import NAMED_SHAPES
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
 from parallel.pipeline.mindformers_export import export
