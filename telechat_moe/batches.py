@@ -13,7 +13,7 @@ from mindspore import Tensor
 from data_sched.attention_cost import CostModel
 from data_sched.loader import BatchLoader
 from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
-from telechat_moe.recipe import Recipe
+from telechat_moe.recipe_schema import Recipe
 
 
 def prepare_run_data(recipe: Recipe, rank: int, out: Path):

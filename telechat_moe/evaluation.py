@@ -8,7 +8,7 @@ from mindspore import nn
 
 from data_sched.loader import BatchLoader
 from telechat_moe.model import TeleChatMoE
-from telechat_moe.recipe import Recipe
+from telechat_moe.recipe_schema import Recipe
 
 
 class Evaluate(nn.Cell):

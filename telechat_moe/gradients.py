@@ -17,7 +17,7 @@ from dvm_fusion.square_sums import square_sums_for
 from parallel.comm import ProcessGroups, transport_for
 from parallel.layout import Axis
 from telechat_moe.model import TeleChatMoE
-from telechat_moe.recipe import Recipe
+from telechat_moe.recipe_schema import Recipe
 
 
 # How a weight's gradient is reduced (PrepareGradients)

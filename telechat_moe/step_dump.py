@@ -17,7 +17,7 @@ from telechat_moe.batches import batch_tensors
 from telechat_moe.gradients import is_routed_expert
 from telechat_moe.model import TeleChatMoE
 from telechat_moe.moe.replicas import outside_checkpoints
-from telechat_moe.recipe import Recipe
+from telechat_moe.recipe_schema import Recipe
 
 
 class LayerOutputs(nn.Cell):

@@ -40,7 +40,7 @@ from telechat_moe.optim import build_adamw, lr_at
 from telechat_moe.pipeline_log import TimelineLog
 from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
 from telechat_moe.profiling import StepProfiler
-from telechat_moe.recipe import Recipe
+from telechat_moe.recipe_schema import Recipe
 from telechat_moe.step_dump import StepDumps
 from telechat_moe.train_step import (ForwardBackward, MoveExpertBiases, OverRanks, TrainStep, release_freed_heap,
                                      routed_layers)
