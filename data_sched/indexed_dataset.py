@@ -101,18 +101,25 @@ def write_indexed_dataset(prefix: str, docs: Iterable[np.ndarray], vocab_size: i
 
 @dataclass(frozen=True)
 class IndexedDataset:
-    """An indexed dataset opened memory-mapped: documents as (first token, length) into `tokens`."""
+    """An indexed dataset opened memory-mapped; opening touches O(1) pages whatever the corpus's size."""
     prefix: str
-    tokens: np.memmap          # the whole .bin, in its dtype
-    doc_starts: np.ndarray     # int64 [D]: first token of each document
-    doc_lengths: np.ndarray    # int64 [D]
+    tokens: np.ndarray          # the whole .bin, in its dtype (a memmap)
+    seq_lengths: np.ndarray     # int32 [S] (a memmap)
+    doc_bounds: np.ndarray      # int64 [D+1]: document d is sequences doc_bounds[d]..doc_bounds[d+1] (a memmap)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    def document(self, d: int) -> np.ndarray:
-        return self.tokens[self.doc_starts[d]:self.doc_starts[d] + self.doc_lengths[d]]
+    def documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, length) of every document, int64 [D] each: computed in memory (index building only)."""
+        bounds = np.asarray(self.doc_bounds)
+        if (np.diff(bounds) < 0).any():
+            raise _corrupt(self.prefix, "document boundaries")
+        seq_ends = np.zeros(len(self.seq_lengths) + 1, dtype=np.int64)
+        np.cumsum(self.seq_lengths, out=seq_ends[1:])
+        starts = seq_ends[bounds[:-1]]
+        return starts, seq_ends[bounds[1:]] - starts
 
 
 def _corrupt(prefix: str, why: str) -> DataError:
@@ -120,10 +127,7 @@ def _corrupt(prefix: str, why: str) -> DataError:
 
 
 def open_indexed_dataset(path: str) -> IndexedDataset:
-    """Open `<prefix>.bin/.idx` memory-mapped; one-line DataError for missing, foreign, truncated or corrupt files.
-
-    Only the document table ([D] int64 twice) is computed in memory; tokens stay on disk until read.
-    """
+    """Open `<prefix>.bin/.idx` memory-mapped; one-line DataError for missing, foreign, truncated or corrupt files."""
     prefix = prefix_of(path)
     for name in (f"{prefix}.idx", f"{prefix}.bin"):
         if not Path(name).is_file():
@@ -142,17 +146,17 @@ def open_indexed_dataset(path: str) -> IndexedDataset:
         raise _corrupt(prefix, f"{idx_size} bytes for {seqs} sequences and {docs - 1} documents")
     index = np.memmap(f"{prefix}.idx", dtype=np.uint8, mode="r")
     lengths = index[_HEADER_BYTES:_HEADER_BYTES + 4 * seqs].view(np.int32)
+    pointers = index[_HEADER_BYTES + 4 * seqs:_HEADER_BYTES + 12 * seqs].view(np.int64)
     bounds = index[_HEADER_BYTES + 12 * seqs:].view(np.int64)
-    if bounds[0] != 0 or bounds[-1] != seqs or (np.diff(bounds) < 0).any() or (lengths < 0).any():
+    if bounds[0] != 0 or bounds[-1] != seqs:
         raise _corrupt(prefix, "document boundaries")
-    seq_ends = np.zeros(seqs + 1, dtype=np.int64)
-    np.cumsum(lengths, out=seq_ends[1:])
-    doc_starts, doc_ends = seq_ends[bounds[:-1]], seq_ends[bounds[1:]]
-    expected, actual = int(seq_ends[-1]) * dtype.itemsize, os.path.getsize(f"{prefix}.bin")
+    # the last sequence ends where the .bin must end: checked without reading the whole index
+    expected = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if seqs else 0
+    actual = os.path.getsize(f"{prefix}.bin")
     if actual != expected:
         raise DataError(f"{prefix}.bin: holds {actual} bytes, its index describes {expected}")
     tokens = np.memmap(f"{prefix}.bin", dtype=dtype, mode="r") if actual else np.zeros(0, dtype)
-    return IndexedDataset(prefix, tokens, doc_starts, doc_ends - doc_starts)
+    return IndexedDataset(prefix, tokens, lengths, bounds)
 
 
 def read_documents(prefix: str, eod_id: int | None = None) -> list[np.ndarray]:
@@ -160,21 +164,23 @@ def read_documents(prefix: str, eod_id: int | None = None) -> list[np.ndarray]:
     --append-eod) is dropped, since packing appends its own. Training reads through `indexed_samples` instead."""
     ds = open_indexed_dataset(prefix)
     docs = []
-    for d in range(len(ds.doc_starts)):
-        doc = np.asarray(ds.document(d), dtype=np.int32)
+    for start, length in zip(*ds.documents()):
+        doc = np.asarray(ds.tokens[start:start + length], dtype=np.int32)
         if eod_id is not None and len(doc) and doc[-1] == eod_id:
             doc = doc[:-1]
         docs.append(doc)
     return docs
 
 
-def scan_tokens(ds: IndexedDataset, block_tokens: int = 1 << 24) -> tuple[int, np.ndarray]:
-    """(largest token id, last token of every document (-1 for empty ones)) in one sequential pass over the .bin.
+def scan_tokens(ds: IndexedDataset, starts: np.ndarray, lengths: np.ndarray,
+                block_tokens: int = 1 << 22) -> tuple[int, np.ndarray]:
+    """(largest token id, last token of every document (-1 for empty ones)) in one sequential pass over the .bin;
+    `starts`, `lengths` from `ds.documents()`.
 
     Read with ordinary file reads in blocks, not through the memmap: a process's peak resident memory counts the
     mapped pages it touched, and this pass touches them all.
     """
-    ends = ds.doc_starts + ds.doc_lengths - 1     # non-decreasing: documents follow each other in the .bin
+    ends = starts + lengths - 1     # non-decreasing: documents follow each other in the .bin
     last = np.full(len(ends), -1, dtype=np.int64)
     top = -1
     with open(f"{ds.prefix}.bin", "rb") as f:
@@ -182,6 +188,6 @@ def scan_tokens(ds: IndexedDataset, block_tokens: int = 1 << 24) -> tuple[int, n
             block = np.fromfile(f, dtype=ds.tokens.dtype, count=min(block_tokens, ds.num_tokens - lo))
             top = max(top, int(block.max()))
             a, b = np.searchsorted(ends, [lo, lo + len(block)])
-            inside = np.arange(a, b)[ds.doc_lengths[a:b] > 0]
+            inside = np.arange(a, b)[lengths[a:b] > 0]
             last[inside] = block[ends[inside] - lo]
     return top, last

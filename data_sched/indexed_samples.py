@@ -117,12 +117,13 @@ class IndexedSamples:
 
 def _build(ds: IndexedDataset, seed: int, eval_fraction: float, eod_id: int) -> dict[str, np.ndarray]:
     """The packing indexes of both splits (one sequential pass over the .bin for the trailing EODs and the top id)."""
-    top, last = scan_tokens(ds)
-    segment = ds.doc_lengths + (last != eod_id)   # a stored trailing EOD ends the segment, else one is appended
+    starts, lengths = ds.documents()
+    top, last = scan_tokens(ds, starts, lengths)
+    segment = lengths + (last != eod_id)   # a stored trailing EOD ends the segment, else one is appended
     held = holdout_mask(len(segment), eval_fraction, seed)
     arrays = {"max_id": np.array([top], dtype=np.int64)}
     for split, mask in zip(SPLITS, (~held, held)):
-        arrays[f"{split}_starts"] = ds.doc_starts[mask]
+        arrays[f"{split}_starts"] = starts[mask]
         arrays[f"{split}_ends"] = np.cumsum(segment[mask])
     return arrays
 

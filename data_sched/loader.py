@@ -123,9 +123,20 @@ class BatchLoader:
             self._context_loss[at] = self.assignment_at(*at).context_loss
         return self._context_loss[at]
 
+    def _own(self) -> slice:
+        return slice(self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size)
+
+    def samples_read(self, epoch: int, index: int) -> np.ndarray:
+        """Ids of the samples of a global batch whose tokens this rank reads: its share; with balancing, the
+        samples its slots take pieces of."""
+        rows, plan = self.global_batch_indices(epoch, index), self.assignment_at(epoch, index)
+        if plan is None:
+            return rows[self._own()]
+        return rows[np.unique(plan.pieces(self._own().start, self._own().stop)[0])]
+
     def batch_at(self, epoch: int, index: int) -> dict[str, np.ndarray]:
         rows = self.global_batch_indices(epoch, index)
-        lo, hi = self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
+        lo, hi = self._own().start, self._own().stop
         seq = self.samples.seq_length
         plan = self.assignment_at(epoch, index)
         if plan is None:

@@ -51,9 +51,10 @@ def test_files_written_here_read_through_mindformers(tmp_path):
 
     path = _corpus(tmp_path / "ds", docs=30)
     theirs, ours = IndexedDataset(str(tmp_path / "ds")), open_indexed_dataset(path)
-    assert len(theirs) == len(ours.doc_starts)
-    for d in range(len(theirs)):
-        assert np.array_equal(theirs[d], ours.document(d))
+    starts, lengths = ours.documents()
+    assert len(theirs) == len(starts)
+    for d, (start, length) in enumerate(zip(starts, lengths)):
+        assert np.array_equal(theirs[d], ours.tokens[start:start + length])
 
 
 def test_indexes_are_built_once_and_keyed_by_what_determines_them(tmp_path, monkeypatch):
@@ -157,6 +158,8 @@ def test_ranks_read_disjoint_shares_whose_union_is_the_global_batch(tmp_path, ba
         read.clear()
         parts = [r.batch_at(0, index) for r in ranks]
         wanted = one.global_batch_indices(0, index)
+        for rank, got in zip(ranks, read):    # what a rank says it reads (logged on dump steps) is what it read
+            assert sorted(got.tolist()) == sorted(rank.samples_read(0, index).tolist())
         if balance == "off":       # the one-process batch, split in two
             for key in whole:
                 assert np.array_equal(np.concatenate([p[key] for p in parts]), whole[key]), (index, key)
