@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from parallel.ep.capacity import exchange_rows
+from parallel.optim.memory import accumulate_bytes, uses_distributed
 from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
 from telechat_moe.recipe_schema import Recipe
 
@@ -9,15 +10,27 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GIB = 2 ** 30
 
 
-def static_memory(r: Recipe) -> dict:
-    """Weights, gradients and AdamW states per device on the heaviest pipeline stage, in the recipe's dtypes.
+def distributed_optimizer(r: Recipe) -> bool:
+    """Whether the trainer steps this recipe with the distributed optimizer (parallel/optim/memory.py)."""
+    lay = r.layout
+    return uses_distributed(r.parallel_config.optimizer_shard, lay.dp * lay.cp, lay.edp, r.model.params_dtype)
 
-    Gradients are accumulated in the parameter dtype; Adam's two moments are float32 (8 bytes per parameter),
-    plus a float32 master copy where parameters are stored below float32.
+
+def static_memory(r: Recipe) -> dict:
+    """Weights, gradients and AdamW states per device on the heaviest pipeline stage (each stage's in
+    'per_stage'), in the recipe's dtypes, as the trainer holds them (model_shape.rank_static_bytes).
+
+    The step's gradients come in the parameter dtype; Adam's two moments are float32 (8 bytes per parameter), plus
+    a float32 master copy where parameters are stored below float32, divided over the data-parallel ranks when
+    the distributed optimizer steps (parallel/optim/memory.py); gradients held between micro-batches as
+    `accumulate_bytes` says.
     """
-    param_bytes = DTYPE_BYTES[r.model.params_dtype]
-    return training_memory(r.model.to_model_shape(), r.layout, param_bytes, param_bytes, 8,
-                           r.parallel_config.optimizer_shard)
+    m, lay = r.model, r.layout
+    param_bytes = DTYPE_BYTES[m.params_dtype]
+    distributed = distributed_optimizer(r)
+    return training_memory(m.to_model_shape(), lay, param_bytes, param_bytes, 8, distributed,
+                           accumulate_bytes=accumulate_bytes(distributed, lay.micro_batch_num, lay.pp > 1,
+                                                             param_bytes))
 
 
 def report(r: Recipe) -> str:
@@ -37,11 +50,13 @@ def report(r: Recipe) -> str:
               f"parameters per device (stage {mem['stage']}): {per_device['dense'] + per_device['expert']:,.0f}, of "
               f"them {per_device['expert']:,.0f} in routed experts (1/{r.layout.ep * r.layout.etp} of each layer's)",
               f"memory per device (heaviest stage {mem['stage']}, params {r.model.params_dtype}, "
-              f"optimizer sharded: {r.parallel_config.optimizer_shard}):",
+              f"optimizer {'distributed: states sharded over dp' if distributed_optimizer(r) else 'replicated'}):",
               f"  weights    {mem['weights'] / GIB:10.2f} GiB",
               f"  gradients  {mem['grads'] / GIB:10.2f} GiB",
               f"  optimizer  {mem['optimizer'] / GIB:10.2f} GiB",
-              f"  total      {mem['total'] / GIB:10.2f} GiB (activations come on top)"]
+              f"  grad bufs  {mem['grad_buffers'] / GIB:10.2f} GiB (held between micro-batches)",
+              f"  total      {mem['total'] / GIB:10.2f} GiB (activations come on top; held between steps "
+              f"{mem['held'] / GIB:.2f})"]
     if r.layout.ep > 1:
         lines.append(exchange_line(r))
     return "\n".join(lines)

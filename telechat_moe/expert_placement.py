@@ -33,6 +33,7 @@ from parallel.ep.migrate import homes, moved_rows, permute_replicated, permuted_
 from parallel.ep.placement import LoadPredictor, LoadWindow, MoveCost, Placement, expert_flops_per_token, \
     plan_migration
 from telechat_moe.moe.replicas import slot_tables
+from telechat_moe.optimizer_state import SlicedMoments
 
 
 class Overwrite(nn.Cell):
@@ -83,8 +84,14 @@ class ExpertMigrator:
         cluster = "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
         self.cost = MoveCost.from_cluster(cluster, expert_params)
         self.seconds_per_token = expert_flops_per_token(cfg.hidden_size, cfg.moe_intermediate_size) / peak_flops
-        moments = {id(p): (m, v) for p, m, v in zip(optimizer.parameters, optimizer.exp_avg, optimizer.exp_avg_sq)}
-        self.replicated, self.sharded, self.writers, self.indexed = [], [], [], {}
+        # a weight's Adam moments: Parameters of the replicated optimizer, or (weight, kind) entries of the
+        # distributed one's slices (with its float32 master below float32 weights, moved alike), read and written
+        # through telechat_moe/optimizer_state.py
+        self.moments = SlicedMoments(optimizer) if hasattr(optimizer, "plan") else None
+        moments = {id(p): (m, v) for p, m, v in zip(optimizer.parameters, optimizer.exp_avg, optimizer.exp_avg_sq)} \
+            if self.moments is None else {id(p): tuple((p, kind) for kind in self.moments.kinds)
+                                          for p in optimizer.parameters}
+        self.replicated, self.sharded, self.writers, self.sliced, self.indexed = [], [], [], [], {}
         for r, mlp in enumerate(mlps):
             whole = [mlp.gate.weight, mlp.gate.expert_bias]
             split = [mlp.experts.w1, mlp.experts.w2]
@@ -98,7 +105,9 @@ class ExpertMigrator:
             tables = [mlp.slots.copies, mlp.slots.targets, mlp.slots.slot_label] if self.spare else []
             self.replicated.append(whole)
             self.sharded.append(split)
-            self.writers.append(Overwrite(whole + split + spare + tables))
+            targets = whole + split + spare + tables
+            self.writers.append(Overwrite([t for t in targets if not isinstance(t, tuple)]))
+            self.sliced.append([(i, t) for i, t in enumerate(targets) if isinstance(t, tuple)])
         self.total = Decision()   # over the run: layers and experts moved, replicas, bytes, seconds
 
     # -- the load --
@@ -179,9 +188,9 @@ class ExpertMigrator:
 
     def _apply(self, r: int, perm: np.ndarray, spare: np.ndarray) -> None:
         """Relabel by `perm` and fill the spare slots with copies of `spare` [ep, R] (original ids, -1: empty)."""
-        values = [permute_replicated(p.asnumpy(), perm) for p in self.replicated[r]]
+        values = [permute_replicated(self._read(p), perm) for p in self.replicated[r]]
         mine = slice(self.index * self.per, (self.index + 1) * self.per)
-        wholes = [permuted_whole(self.transport, p.asnumpy(), perm) for p in self.sharded[r]]
+        wholes = [permuted_whole(self.transport, self._read(p), perm) for p in self.sharded[r]]
         values += [w[mine] for w in wholes]
         if self.spare:
             label_of = np.empty(self.experts, np.int64)
@@ -193,7 +202,18 @@ class ExpertMigrator:
             self.tables[r] = slot_tables(self.experts, self.ep, spare_labels)
             values += list(self.tables[r])
             self.spares[r] = spare
-        self.writers[r](*[Tensor(v) for v in values]).asnumpy()
+        self._write(r, values)
+
+    def _read(self, entry) -> np.ndarray:
+        return entry.asnumpy() if self.moments is None or not isinstance(entry, tuple) else self.moments.read(*entry)
+
+    def _write(self, r: int, values: list) -> None:
+        """Layer r's tensors := `values`: Parameters through an assignment in a graph, the distributed optimizer's
+        state into its slices."""
+        sliced = dict(self.sliced[r])
+        self.writers[r](*[Tensor(v) for i, v in enumerate(values) if i not in sliced]).asnumpy()
+        for i, (weight, kind) in sliced.items():
+            self.moments.write(weight, kind, values[i])
 
     # -- names, state --
     def original_order(self, name: str, value: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ A dense gradient is summed over the data-parallel group (a replicated weight who
 under tensor parallelism, also over the tensor-parallel group); a routed expert's over the ranks holding the same
 experts. `PrepareGradients` runs inside the step's graph (telechat_moe/train_step.py, the pipeline engine's
 telechat_moe/pipeline_step.py) and hands the optimizer the summed gradients with one factor that unscales, averages
-and clips them.
+and clips them. Under the distributed optimizer (parallel/optim; `Update.of` chooses) the same reductions are
+made per bucket, as reduce-scatters whose routes `gradient_route` gives, and each rank keeps its slice.
 """
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from mindspore import ParameterTuple, Tensor, nn, ops
 from dvm_fusion.square_sums import square_sums_for
 from parallel.comm import ProcessGroups, transport_for
 from parallel.layout import Axis
+from parallel.optim import Route
+from parallel.optim.memory import uses_distributed
 from telechat_moe.model import TeleChatMoE
+from telechat_moe.optim import (build_adamw, build_distributed, cast_weights, ordered_like_adamw, sharded_gradients,
+                                weight_decay_of)
 from telechat_moe.recipe_schema import Recipe
 
 
@@ -104,10 +109,60 @@ class GradientGroups:
     ep: object
     tp: object
 
+    def transports(self) -> dict:
+        """By the names the distributed optimizer's routes use (telechat_moe/gradients.py: gradient_route)."""
+        return {"dp": self.dp, "edp": self.edp, "ep": self.ep, "tp": self.tp}
+
     @classmethod
     def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
         groups = ProcessGroups(layout, rank)
         return cls(*(transport_for(groups.axis(a), device_target) for a in (Axis.DP, Axis.EDP, Axis.EP, Axis.TP)))
+
+
+def gradient_route(kind: int, weight_decay: float) -> Route:
+    """The distributed optimizer's route of a gradient of `kind`: PrepareGradients' reductions, per bucket."""
+    if kind == EXPERT:
+        return Route("edp", norm_sum="ep", weight_decay=weight_decay)
+    if kind == PARTIAL:
+        return Route("dp", pre_sum="tp", weight_decay=weight_decay)
+    return Route("dp", norm_sum="tp" if kind == TP_SHARD else None, weight_decay=weight_decay)
+
+
+@dataclass
+class Update:
+    """The trainer's optimizer and how its gradients are prepared: `weights` in the order both take gradients,
+    `prepare(counted, pp)` the Cell that reduces them (PrepareGradients, or the distributed optimizer's
+    ShardedGradients), `distributed` which of the two (telechat_moe/optim.py)."""
+    weights: ParameterTuple
+    optimizer: nn.Cell
+    prepare: object
+    distributed: bool
+
+    @classmethod
+    def of(cls, recipe: Recipe, model: TeleChatMoE, groups: "GradientGroups", tp_axes: dict, device: str):
+        o, p, lay = recipe.optimizer, recipe.parallel_config, recipe.layout
+        distributed = uses_distributed(p.optimizer_shard, lay.dp * lay.cp, lay.edp, recipe.model.params_dtype)
+        if distributed:
+            cast_weights(model.trainable_params(), recipe.model.params_dtype)
+            weights = ParameterTuple(ordered_like_adamw(model.trainable_params()))
+            kinds = [gradient_kind(w.name, model, tp_axes) for w in weights]
+            optimizer = build_distributed(list(weights), [gradient_route(k, weight_decay_of(w, o.weight_decay))
+                                                          for k, w in zip(kinds, weights)],
+                                          groups.transports(), o, p.ddp_bucket_size, device)
+
+            def prepare(counted=None, pp=None):
+                # the pipeline engine sums its micro-batches itself, in its own accumulators
+                return sharded_gradients(optimizer, groups.transports(), p.data_parallel, o.grad_clip, counted, pp,
+                                         accumulate=p.micro_batch_num > 1 and pp is None)
+            return cls(weights, optimizer, prepare, True)
+        optimizer = build_adamw(model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay, device)
+        # Gradients must come in the optimizer's order, which groups decayed parameters first.
+        kinds = tuple(gradient_kind(w.name, model, tp_axes) for w in optimizer.parameters)
+
+        def prepare(counted=None, pp=None):
+            return PrepareGradients(optimizer.parameters, kinds, p.data_parallel, o.grad_clip, groups, counted, pp,
+                                    device)
+        return cls(optimizer.parameters, optimizer, prepare, False)
 
 
 def is_routed_expert(name: str) -> bool:

@@ -1,6 +1,15 @@
 """AdamW (PyTorch's update: bias correction, decoupled weight decay; norms and the router's expert bias are not
 decayed), one fused kernel per parameter, and the LR schedule.
 
+Two optimizers behind one contract (prepare the gradients -> (gradients, factor, norm, finite); update):
+- replicated (`build_adamw`): every rank holds every parameter's moments and steps all of them; the one-process
+  reference and `parallel_config.optimizer_shard: false`.
+- distributed (`build_distributed`, parallel/optim): ZeRO-1. Gradients reduce-scattered per bucket over the
+  parameter's data-parallel group, each rank's slice of the moments (and a float32 master below float32 weights)
+  stepped, the weights all-gathered back. Used where it changes what a rank holds: `optimizer_shard` with a
+  data-parallel group of more than one rank, or working weights below float32 (parallel/optim/memory.py:
+  `uses_distributed`).
+
 The learning rate is a pure function of the step, assigned to the optimizer's rate inside the training graph before
 each update, so the value that is logged is the value that is used, and resuming at step n needs nothing but n.
 """
@@ -14,6 +23,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.nn.optim.adam import _fused_adam_weight_decay
 
 from dvm_fusion.adamw import adamw_hyper, adamw_update_cpu, cpu_threads
+from parallel.optim import BucketPlan, Route
+from parallel.optim.distributed import ShardedAdamW, ShardedGradients
 
 
 def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, kind: str) -> float:
@@ -99,3 +110,42 @@ def build_adamw(params: list[Parameter], lr: float, betas, eps: float, weight_de
     learning_rate = Parameter(Tensor(lr, ms.float32), name="learning_rate", requires_grad=False)
     return AdamW(groups, learning_rate=learning_rate, beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                  device_target=device_target)
+
+
+def weight_decay_of(param: Parameter, weight_decay: float) -> float:
+    """The decay rate of a parameter: matrices decay, vectors (norms, biases) do not."""
+    return weight_decay if _decays(param) else 0.0
+
+
+def ordered_like_adamw(params: list[Parameter]) -> list[Parameter]:
+    """The replicated optimizer's parameter order (decayed first): both optimizers take gradients in it."""
+    return [p for p in params if _decays(p)] + [p for p in params if not _decays(p)]
+
+
+def cast_weights(params: list[Parameter], params_dtype: str) -> None:
+    """The working weights in `params_dtype` (the model builds them in float32; the distributed optimizer keeps
+    the float32 master of weights below it). Kept in float32, as Megatron-Core keeps them: the vectors (norms,
+    biases: the model multiplies them in float32) and the router's weight (its logits are float32 by
+    `router_dense_type`)."""
+    dtype = getattr(ms, params_dtype)
+    for p in params:
+        if p.dtype != dtype and _decays(p) and not p.name.endswith(".gate.weight"):
+            p.set_dtype(dtype)
+
+
+def build_distributed(params: list[Parameter], routes: list[Route], transports: dict, optimizer_config,
+                      bucket_size: int, device_target: str = "CPU") -> ShardedAdamW:
+    """The distributed optimizer's update over `params` (in `ordered_like_adamw` order) with their routes;
+    `transports`: name -> transport of the groups the routes name ("dp", "edp", "tp", "ep"). Its gradient half
+    is `sharded_gradients(optimizer, ...)`."""
+    o = optimizer_config
+    sizes = {name: t.group.size for name, t in transports.items()}
+    plan = BucketPlan.of([int(p.size) for p in params], routes, sizes, bucket_size)
+    return ShardedAdamW(params, plan, transports, o.learning_rate, o.betas, o.eps,
+                        fused=device_target != "Ascend", threads=cpu_threads())
+
+
+def sharded_gradients(optimizer: ShardedAdamW, transports: dict, dp: int, clip: float, counted=None, pp=None,
+                      accumulate: bool = False) -> ShardedGradients:
+    """The gradient half over `optimizer`'s buckets (see ShardedGradients)."""
+    return ShardedGradients(optimizer.plan, transports, dp, clip, pp, accumulate, counted)

@@ -55,6 +55,8 @@ def _validate_parallel(r: Recipe, world_size: int | None) -> None:
     except LayoutError as e:
         raise RecipeError(layout_error_text(e)) from None
     shape = m.to_model_shape()
+    require(p.ddp_bucket_size >= 0, f"parallel_config.ddp_bucket_size: expected a number of gradient elements "
+                                    f">= 0 (0: one bucket per group), got {p.ddp_bucket_size}")
     require(experts_split(shape, layout.ep),
              f"parallel_config.expert_parallel: {m.n_routed_experts} experts cannot be split evenly over "
              f"expert_parallel={p.expert_parallel}" + (f" x model_parallel={p.model_parallel} (expert_parallel_over_tp)"
@@ -164,8 +166,13 @@ def _validate_data(r: Recipe) -> None:
     require(r.context.device_target in ("CPU", "Ascend"),
              f"context.device_target: expected CPU or Ascend, got {r.context.device_target!r}")
     require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")
-    require(r.context.device_target == "Ascend" or "bfloat16" not in (m.compute_dtype, m.params_dtype),
-             "model.compute_dtype: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
+    for key in ("params_dtype", "compute_dtype"):
+        require(r.context.device_target == "Ascend" or getattr(m, key) != "bfloat16",
+                f"model.{key}: bfloat16 has no CPU kernels in MindSpore; use float32 or float16 on CPU")
+    # the float32 master of weights below float32 lives in the distributed optimizer
+    require(m.params_dtype == "float32" or r.parallel_config.optimizer_shard,
+            f"model.params_dtype: {m.params_dtype} weights need parallel_config.optimizer_shard: true (the "
+            f"distributed optimizer holds their float32 master)")
 
 
 def _validate_context(c: ContextConfig) -> None:

@@ -26,6 +26,9 @@ class ParallelConfig:
     use_seq_parallel: bool = False
     devices_per_node: int = 8
     optimizer_shard: bool = True        # MindFormers' enable_parallel_optimizer (ZeRO-1)
+    # gradient elements per bucket of the distributed optimizer's reduce-scatters (Megatron-Core's
+    # DistributedDataParallelConfig.bucket_size, --ddp-bucket-size, and its default); 0: one bucket per group
+    ddp_bucket_size: int = 40_000_000
     vocab_emb_dp: bool = False
     # TP-extends-EP: the routed experts of a stage spread whole over its model_parallel x expert_parallel ranks (the
     # EP group takes in the tensor-parallel ranks, each expert unsplit) instead of each expert split over tp

@@ -115,8 +115,13 @@ class StepDumps:
         records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
         # the whole model's tensors: a routed expert's gathered from the EP group, a tensor-parallel slice from the
         # tp group, a pipeline stage's from the pipeline group, so any layout aligns with any
+        moments = (opt.exp_avg, opt.exp_avg_sq)
+        if hasattr(opt, "plan"):    # the distributed optimizer: every weight's gradient and moments, whole over dp
+            from parallel.optim import state
+            grads, whole = state.whole_gradients(opt, grads), state.whole_states(opt)
+            moments = (whole["adam_m"], whole["adam_v"])
         states = {kind: [self._whole(names[j], values[i]) for j, i in enumerate(kept)]
-                  for kind, values in (("grad", grads), ("adam_m", opt.exp_avg), ("adam_v", opt.exp_avg_sq))}
+                  for kind, values in (("grad", grads), ("adam_m", moments[0]), ("adam_v", moments[1]))}
         if self.migrator is not None:    # experts and router rows in the experts' original order
             from precision.dump import to_numpy
             states = {kind: [self.migrator.original_order(n, to_numpy(v)[0]) for n, v in zip(names, values)]
@@ -149,8 +154,9 @@ class StepDumps:
 
     def _whole(self, name: str, tensor):
         axis = self.tp_axes.get(name)
+        value = tensor.asnumpy() if isinstance(tensor, Tensor) else tensor
         if axis is not None:
-            return gather_along(self.groups.tp, tensor.asnumpy(), axis)
+            return gather_along(self.groups.tp, value, axis)
         if self.ep == 1 or not is_routed_expert(name):
             return tensor
-        return gather_along(self.groups.ep, tensor.asnumpy(), 0)
+        return gather_along(self.groups.ep, value, 0)

@@ -59,19 +59,29 @@ class TrainStep(nn.Cell):
         self.replica_sum = replica_sum
         self.optimizer = optimizer
         self.map = ops.HyperMap()
-        self.accum = optimizer.parameters.clone(prefix="grad_accum", init="zeros") if micro_batches > 1 else None
+        # the distributed optimizer sums micro-batches in its own float32 bucket buffers (prepare.accumulate)
+        buffered = micro_batches > 1 and getattr(prepare, "grad_buffers", None) is not None
+        self.buffered = prepare if buffered else None
+        self.accum = optimizer.parameters.clone(prefix="grad_accum", init="zeros") \
+            if micro_batches > 1 and not buffered else None
 
     def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale, grad_scale, lr,
                   last: bool, return_grads: bool):
         total, lm, mtp, aux, z, loads, grads = self.forward_backward(input_ids, labels, loss_mask, segment_ids,
                                                                      position_ids, scale)
+        if self.buffered is not None:       # replica sums are linear: per micro-batch, before the buffers
+            if self.replica_sum is not None:
+                grads = self.replica_sum(grads)
+            if not last:
+                self.buffered.accumulate(grads)
+                return total, lm, mtp, aux, z, loads, ops.zeros((), ms.float32), True
         if self.accum is not None:
             if not last:
                 self.map(ops.assign_add, self.accum, grads)
                 return total, lm, mtp, aux, z, loads, ops.zeros((), ms.float32), True
             grads = self.map(ops.add, grads, self.accum)
             self.map(zero_out, self.accum)
-        if self.replica_sum is not None:
+        if self.replica_sum is not None and self.buffered is None:
             grads = self.replica_sum(grads)
         grads, factor, norm, finite = self.prepare(grads, grad_scale)
         ops.assign(self.optimizer.learning_rate, lr)

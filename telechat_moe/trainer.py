@@ -30,13 +30,15 @@ from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry p
 from telechat_moe.evaluation import Evaluate, held_out_share
 from telechat_moe.expert_monitor import PlacementMonitor, traffic_scalars
 from telechat_moe.expert_placement import ExpertMigrator
-from telechat_moe.gradients import GradientGroups, LossScaler, PrepareGradients, gradient_kind, is_routed_expert
+from telechat_moe.dry_run import static_memory
+from telechat_moe.gradients import GradientGroups, LossScaler, Update, is_routed_expert
 from telechat_moe.metrics import StepLogger, Timer, info
 from telechat_moe.model import TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.replicas import SumReplicaGradients, outside_checkpoints
 from telechat_moe.moe.router import expert_bias_delta
-from telechat_moe.optim import build_adamw, lr_at
+from telechat_moe.optim import lr_at
+from telechat_moe.optimizer_state import OptimizerCheckpoint, held_bytes
 from telechat_moe.pipeline_log import TimelineLog
 from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
 from telechat_moe.profiling import StepProfiler
@@ -80,18 +82,14 @@ class Trainer:
                  f"{self.stages}); placement:\n{self.plan.description}", self.main)
         self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, recipe.context.lazy_inline)
         self.model.set_recompute(recipe.recompute_config.mode)
-        o = recipe.optimizer
-        self.optimizer = build_adamw(self.model.trainable_params(), o.learning_rate, o.betas, o.eps, o.weight_decay,
-                                     device)
-        # Gradients must come in the optimizer's order, which groups decayed parameters first.
-        self.weights = self.optimizer.parameters
         self.groups = GradientGroups.of(recipe.layout, rank, device)
         self._tp_axes = self.model.tp_split_axes()
-        kinds = tuple(gradient_kind(w.name, self.model, self._tp_axes) for w in self.weights)
-
-        def prepare(counted=None, pp=None):
-            return PrepareGradients(self.weights, kinds, p.data_parallel, o.grad_clip, self.groups, counted, pp,
-                                    device)
+        # replicated or distributed optimizer (telechat_moe/gradients.py: Update); gradients come in its order
+        update = Update.of(recipe, self.model, self.groups, self._tp_axes, device)
+        self.weights, self.optimizer, prepare = update.weights, update.optimizer, update.prepare
+        # the distributed optimizer's state by weight name, for checkpoints (telechat_moe/optimizer_state.py)
+        self.sliced_state = OptimizerCheckpoint(self.optimizer, [w.name for w in self.weights],
+                                                self._shards(self.weights)) if update.distributed else None
 
         self.router_rows, mlps = routed_layers(self.model)
         if self.plan:
@@ -135,11 +133,24 @@ class Trainer:
                                  flops_per_token(shape)["training"], peak_flops, world)
         self.placement = PlacementMonitor(self.migrator, self.router_rows, self.logger, self.out, self.main) \
             if self.migrator is not None else None
+        self._memory_line()
         n_params = sum(w.size for w in self.weights)
         n_experts = sum(w.size for w in self.weights if is_routed_expert(w.name))
         info(f"[model] {n_params:,} trainable parameters on this rank ({n_experts:,} in its routed experts "
              f"{self.ep.experts(cfg.n_routed_experts)}); layout {recipe.layout.describe()}; "
              f"peak {peak_flops / 1e9:.1f} GFLOP/s per device for MFU", self.main)
+
+    def _memory_line(self) -> None:
+        """What this rank holds between steps, measured (the bytes of its weights, optimizer state and gradient
+        buffers as allocated), beside the dry run's figure for its stage."""
+        held = list(self.model.get_parameters()) + list(self.optimizer.get_parameters())
+        held += list(self.pipeline.accumulators) if self.pipeline is not None else list(
+            self.step_graph.get_parameters())
+        self.held_bytes = held_bytes(held)
+        planned = static_memory(self.r)["per_stage"][self.r.layout.coords(self.rank)[Axis.PP]]["held"]
+        info(f"[memory] rank {self.rank} holds {self.held_bytes:,} bytes of weights, optimizer state and gradient "
+             f"buffers; the dry run says {planned:,.0f} for its stage ({self.held_bytes / planned - 1:+.2%}); "
+             f"optimizer {'distributed' if self.sliced_state else 'replicated'}", True)
 
     # -- data --
     def _prepare_data(self):
@@ -158,17 +169,21 @@ class Trainer:
     def _all_params(self) -> list:
         """What a checkpoint holds: every parameter and optimizer state but the replicas' (rebuilt on resume)."""
         seen, out = set(), []
-        for p in list(self.model.get_parameters()) + list(self.optimizer.get_parameters()):
+        # the distributed optimizer's slices are saved by weight name (_sliced_entries)
+        held = [self.optimizer.global_step, self.optimizer.learning_rate] if self.sliced_state \
+            else list(self.optimizer.get_parameters())
+        for p in list(self.model.get_parameters()) + held:
             if p.name not in seen and not outside_checkpoints(p.name):
                 seen.add(p.name)
                 out.append(p)
         return out
 
-    def _shards(self) -> dict:
-        """The slices this rank checkpoints: routed experts along dim 0 over the EP group, tensor-parallel weights
-        along their split axis over the tp group (with their Adam moments); the rest is replicated."""
+    def _shards(self, params=None) -> dict:
+        """The slices this rank checkpoints (of `params`, default all it saves): routed experts along dim 0 over the
+        EP group, tensor-parallel weights along their split axis over the tp group (with the replicated optimizer's
+        Adam moments); the rest is replicated."""
         out = {}
-        for p in self._all_params():
+        for p in self._all_params() if params is None else params:
             axis = self._tp_axes.get(p.name.split(".", 1)[1] if p.name.startswith("adam_") else p.name)
             if axis is not None:
                 out[p.name] = Shard(axis, self.tp.index * p.shape[axis], self.tp.tp * p.shape[axis])
@@ -177,6 +192,10 @@ class Trainer:
                 out[p.name] = Shard(0, self.ep.experts(e)[0], e)
         return out
 
+    @staticmethod
+    def _with(params: list, shards: dict, more: tuple) -> tuple[list, dict]:
+        return params + more[0], {**shards, **more[1]}
+
     def save(self) -> None:
         # No random draw happens after initialisation (no dropout; the data order is a function of seed and
         # epoch), so the seed and the data position are the whole random state.
@@ -184,8 +203,11 @@ class Trainer:
                  "loss_scale_good_steps": self.scaler.good_steps, "seed": self.r.seed, "recipe": self.r.name}
         if self.migrator is not None:
             state.update(self.migrator.state_dict())
-        path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, self._all_params(), state,
-                               self.r.training.keep_checkpoints, shards=self._shards(), world=self.world)
+        params, shards = self._all_params(), self._shards()
+        if self.sliced_state is not None:       # this rank's slices of the optimizer state
+            params, shards = self._with(params, shards, self.sliced_state.tensors())
+        path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, params, state,
+                               self.r.training.keep_checkpoints, shards=shards, world=self.world)
         info(f"[ckpt] saved {path}", self.main)
 
     def resume(self) -> bool:
@@ -195,7 +217,12 @@ class Trainer:
             return False
         from telechat_moe.checkpoint import TRAINER_STATE
         # a {} or mistyped state is one line; expert shards saved at another expert_parallel are resharded
-        state = load_checkpoint(path, self._all_params(), TRAINER_STATE, shards=self._shards())
+        params, shards = self._all_params(), self._shards()
+        if self.sliced_state is not None:       # this rank's slices, cut from whatever layout saved them
+            params, shards = self._with(params, shards, self.sliced_state.placeholders())
+        state = load_checkpoint(path, params, TRAINER_STATE, shards=shards)
+        if self.sliced_state is not None:
+            self.sliced_state.apply()
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.scaler.scale = float(state["loss_scale"])

@@ -290,3 +290,49 @@ def test_flat_optimizer_slices_reshard_between_data_parallel_degrees(tmp_path):
     params, shards = flat_params(1, halves, None)
     load_checkpoint(resume_point(tmp_path / "dp1", 0), params, TRAINER_STATE, shards=shards)
     assert all(np.array_equal(p.asnumpy(), full[p.name].reshape(-1)[halves[p.name][1]:]) for p in params)
+
+
+KILLED_SAVER = r"""
+import sys
+import numpy as np
+from mindspore import Parameter, Tensor
+from telechat_moe.checkpoint import Shard, save_checkpoint
+root, rank = sys.argv[1], int(sys.argv[2])
+state = {"step": 1, "data": {"epoch": 0, "index": 1}, "loss_scale": 1.0, "loss_scale_good_steps": 1}
+def params(n):
+    return [Parameter(Tensor(np.full(n, rank + 1.0, np.float32)), name="adam_m.w")]
+save_checkpoint(root, rank, 1, params(1000), state, keep=3, shards={"adam_m.w": Shard(0, rank * 1000, 2000)}, world=2)
+n = 64 * 2 ** 20                             # rank 0's 256 MiB: its write takes long enough to be killed inside
+print("saving", flush=True)
+save_checkpoint(root, rank, 2, params(n if rank == 0 else 1000), {**state, "step": 2}, keep=3,
+                shards={"adam_m.w": Shard(0, rank * n, n + 1000)}, world=2)
+print("saved", flush=True)
+"""
+
+
+def test_a_kill_during_a_save_resumes_from_the_last_whole_checkpoint(tmp_path):
+    """kill -9 of one rank while it writes its slice of step 2: the step is incomplete on that rank, so every rank
+    resumes from step 1, which loads whole (the other rank's complete step 2 is passed over)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", KILLED_SAVER, str(root), "1"], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and "saved" in done.stdout, done.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(root), "0"], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (root / "rank_0" / "step_00000002").exists()
+    for rank in (0, 1):
+        path = resume_point(root, rank)
+        assert path.name == "step_00000001", path
+    whole = Parameter(Tensor(np.zeros(2000, np.float32)), name="adam_m.w")
+    load_checkpoint(resume_point(root, 0), [whole], TRAINER_STATE)
+    assert np.array_equal(whole.asnumpy(), np.repeat([1.0, 2.0], 1000).astype(np.float32))

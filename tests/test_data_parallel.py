@@ -1,5 +1,7 @@
 """Data parallelism across real processes: DP=2 under msrun equals one process (weights, Adam moments, logged losses,
-held-out loss, tensor dumps through precision.compare). Its own module, so that the suite's two workers can run it
+held-out loss, tensor dumps through precision.compare). It trains with the distributed optimizer (recipes/base.yaml:
+optimizer_shard true) in buckets of 1M elements (several per group): each rank's checkpoint holds half the Adam
+state, assembled by the trainer's loader for the comparison, and each rank's measured bytes are the dry run's. Its own module, so that the suite's two workers can run it
 beside test_training's long one-process runs."""
 from __future__ import annotations
 
@@ -15,6 +17,27 @@ from tests.helpers import msrun, run_cli
 from tests.test_training import SHORT, metrics, sets
 
 
+def whole_state(folder: Path, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every tensor of `like` (a one-process checkpoint) as the ranks of `folder`'s save hold it together (their
+    optimizer slices assembled by the trainer's own loader)."""
+    from mindspore import Parameter, Tensor
+    from telechat_moe.checkpoint import load_checkpoint
+    params = [Parameter(Tensor(np.zeros_like(v)), name=k, requires_grad=False) for k, v in like.items()]
+    load_checkpoint(folder, params)
+    return {p.name: p.asnumpy() for p in params}
+
+
+def assert_memory_lines(logs: str, ranks: int, within: float = 0.01) -> None:
+    """Every rank's start-up line: the bytes it holds, measured, within `within` of the dry run's figure."""
+    import re
+    found = re.findall(r"\[memory\] rank (\d+) holds ([\d,]+) bytes .* the dry run says ([\d,]+)", logs)
+    assert sorted(int(r) for r, _, _ in found) == list(range(ranks)), logs[-3000:]
+    for rank, held, planned in found:
+        held, planned = int(held.replace(",", "")), int(planned.replace(",", ""))
+        print(f"rank {rank}: holds {held:,} bytes, the dry run says {planned:,} ({held / planned - 1:+.3%})")
+        assert abs(held / planned - 1) <= within, (rank, held, planned)
+
+
 def test_data_parallel_under_msrun_matches_one_process(tmp_path, one_process_tiny):
     """Same global batch, DP=2 under msrun vs one process. Only the reduction order differs (per-rank means, then a
     mean over ranks, instead of one mean), so after the first step Adam's first moment (linear in the gradient)
@@ -24,7 +47,8 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path, one_process_tin
     one, two = one_process_tiny, tmp_path / "dp2"     # the one-process run has z-loss on: every loss is compared
     common = SHORT + PARALLEL_COMMON + ["training.dump_steps=1"]
     proc, logs = msrun(2, tmp_path / "msrun_logs", "run_train.py", "--recipe", "tiny",
-                       *sets(*common, "parallel_config.data_parallel=2", f"data.tokenizer={one / 'tokenizer.model'}",
+                       *sets(*common, "parallel_config.data_parallel=2", "parallel_config.ddp_bucket_size=1000000",
+                             f"data.tokenizer={one / 'tokenizer.model'}",
                              f"output_dir={two}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "world=2" in logs
@@ -34,16 +58,25 @@ def test_data_parallel_under_msrun_matches_one_process(tmp_path, one_process_tin
 
     for step in (1, 3):
         a, b = at(two, 0, step), at(two, 1, step)
-        for name in a:
-            np.testing.assert_array_equal(a[name], b[name], err_msg=f"ranks disagree on {name} at step {step}")
+        for name in a:      # the weights are whole on every rank, the Adam state is each rank's slice
+            if not name.startswith("adam_"):
+                np.testing.assert_array_equal(a[name], b[name], err_msg=f"ranks disagree on {name} at step {step}")
+    # the distributed optimizer: each rank's file holds half of the one-process run's Adam state, and the trainer's
+    # measured bytes are the dry run's
+    adam_bytes = [sum(v.nbytes for k, v in at(out, r, 3).items() if k.startswith("adam_"))
+                  for out, r in ((one, 0), (two, 0), (two, 1))]
+    print(f"Adam state in the step-3 files: one process {adam_bytes[0]:,} bytes, DP=2 ranks {adam_bytes[1]:,} and "
+          f"{adam_bytes[2]:,}")
+    assert all(b <= adam_bytes[0] / 2 + 1024 for b in adam_bytes[1:]) and sum(adam_bytes[1:]) == adam_bytes[0]
+    assert_memory_lines(logs, 2)
     tokens = 4 * 64
     first = chain_tolerance("float32", [tokens])
-    single, parallel = at(one, 0, 1), at(two, 0, 1)
+    single, parallel = at(one, 0, 1), whole_state(two / "checkpoints" / "rank_0" / "step_00000001", at(one, 0, 1))
     worst_m = max(relative_error(parallel[n], single[n]) for n in single if n.startswith("adam_m."))
     print(f"DP=2 vs one process after step 1: worst first-moment relative error {worst_m:.2e} "
           f"(tolerance {first.rtol:.2e})")
     assert worst_m <= first.rtol
-    single, parallel = at(one, 0, 3), at(two, 0, 3)
+    single, parallel = at(one, 0, 3), whole_state(two / "checkpoints" / "rank_0" / "step_00000003", at(one, 0, 3))
     lrs = [rec["lr"] for rec in metrics(one).values()]
     names = [n for n in single if not n.startswith(("adam_", "global_step", "learning_rate"))]
     for n in names:

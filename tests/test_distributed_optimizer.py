@@ -56,7 +56,7 @@ ROUTES = [DENSE, NORMS, EXPERT, NORMS, DENSE]
 def _step_cell(arrays, bucket_size: int, fused: bool, dtype=None, clip: float = 0.0, micro: bool = False):
     import mindspore as ms
     from mindspore import Parameter, nn, ops, Tensor
-    from parallel.optim import ShardedAdamW, ShardedGradients
+    from parallel.optim.distributed import ShardedAdamW, ShardedGradients
 
     params = [Parameter(Tensor(a).astype(dtype or ms.float32), name=f"w{i}") for i, a in enumerate(arrays)]
     plan = BucketPlan.of([a.size for a in arrays], ROUTES, {"dp": 1, "edp": 1}, bucket_size)
@@ -224,4 +224,4 @@ def test_micro_batches_accumulate_in_float32_buffers():
     step(tuple(Tensor(g) for g in g2), Tensor(1.0, ms.float32), Tensor(1e-2, ms.float32))
     summed, _ = _run(arrays, [[a + b for a, b in zip(g1, g2)]], bucket_size=10, fused=True)
     assert all(np.array_equal(p.asnumpy(), s) for p, s in zip(opt.parameters, summed))
-    assert all(not b.asnumpy().any() for b in prepare.buffers)
+    assert all(not b.asnumpy().any() for b in prepare.grad_buffers)

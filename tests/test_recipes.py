@@ -64,6 +64,11 @@ MALFORMED_SETS = [
     (["model.hidden_size=abc"], "model.hidden_size", "integer"),
     (["model.qk_layernorm=3"], "model.qk_layernorm", "true or false"),
     (["optimizer.learning_rate=fast"], "optimizer.learning_rate", "number"),
+    # working weights in bfloat16 cannot run on CPU; below float32 they need the distributed optimizer's master
+    (["model.params_dtype=bfloat16"], "model.params_dtype", "float16 on CPU"),
+    (["model.params_dtype=float16", "parallel_config.optimizer_shard=false"], "model.params_dtype",
+     "optimizer_shard: true"),
+    (["parallel_config.ddp_bucket_size=-1"], "parallel_config.ddp_bucket_size", ">= 0"),
     (["model.num_experts_per_tok=32"], "model.num_experts_per_tok", "n_routed_experts=16"),
     (["parallel_config.expert_parallel=3"], "parallel_config.expert_parallel", "must divide"),
     # expert_parallel=8 fits data_parallel=8, so only the expert count is left to be wrong

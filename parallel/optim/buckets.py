@@ -6,7 +6,7 @@ group, so that rank i of a group of g ends up with the summed i-th of g equal sl
 updates exactly that slice of the fp32 master weights and both Adam moments. This module decides the buckets:
 
 - Parameters are grouped by `Route` (which group the bucket is reduce-scattered over, which group its gradient is
-  summed over first, which group its squares add over in the norm, its weight decay, whether the norm counts it):
+  summed over first, which group its squares add over in the norm, its weight decay):
   a bucket holds parameters of one route only, so one collective and one decay rate serve all of it.
 - Within a route, parameters go into buckets in the given order, a bucket closed once it holds `bucket_size`
   elements or more (a parameter is never split across buckets: a larger one is a bucket of its own, as Megatron
@@ -27,13 +27,11 @@ class Route:
     """How a parameter's gradient is reduced. `shard`: the group (a name into the transports) its bucket is
     reduce-scattered over and its state split over; `pre_sum`: a group its gradient is all-reduced over first (a
     tensor-parallel copy whose gradient is each rank's share), or None; `norm_sum`: the group over which its
-    squares add up to the whole model's in the norm (tensor-parallel slices, expert shards), or None; `counted`:
-    whether it counts in the norm at all (a copy counted elsewhere does not)."""
+    squares add up to the whole model's in the norm (tensor-parallel slices, expert shards), or None."""
     shard: str
     pre_sum: str | None = None
     norm_sum: str | None = None
     weight_decay: float = 0.0
-    counted: bool = True
 
 
 @dataclass(frozen=True)

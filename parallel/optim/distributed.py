@@ -58,11 +58,14 @@ class _NormPart(nn.Cell):
         return s
 
 
-def _square_sums(shards):
-    out = ()
-    for s in shards:
-        out = out + ((s * s).sum().reshape((1,)),)
-    return ops.concat(out)
+def _uncounted_masks(plan: BucketPlan, counted: list[bool], index: dict[str, int]) -> dict[int, np.ndarray]:
+    """Per bucket holding an uncounted parameter: 1 on this rank's slice's counted elements, 0 elsewhere."""
+    out = {}
+    for piece in plan.pieces(index):
+        if not counted[piece.param]:
+            mask = out.setdefault(piece.bucket, np.ones(plan.buckets[piece.bucket].shard_size, np.float32))
+            mask[piece.offset:piece.offset + piece.length] = 0.0
+    return out
 
 
 class ShardedGradients(nn.Cell):
@@ -71,7 +74,8 @@ class ShardedGradients(nn.Cell):
     (<= 0: none); `pp` the pipeline group's transport, whose stages' squares the norm adds, or None;
     `accumulate`: hold float32 bucket buffers that `accumulate` adds micro-batches' gradients into."""
 
-    def __init__(self, plan: BucketPlan, transports: dict, dp: int, clip: float, pp=None, accumulate: bool = False):
+    def __init__(self, plan: BucketPlan, transports: dict, dp: int, clip: float, pp=None, accumulate: bool = False,
+                 counted: list[bool] | None = None):
         super().__init__(auto_prefix=False)
         self.members = tuple(b.params for b in plan.buckets)
         self.pads = tuple(b.padded - b.numel for b in plan.buckets)
@@ -80,11 +84,14 @@ class ShardedGradients(nn.Cell):
                                   for b in plan.buckets])
         pairs: dict[tuple, list[int]] = {}
         for i, b in enumerate(plan.buckets):
-            if b.route.counted:
-                pairs.setdefault((b.route.shard, b.route.norm_sum), []).append(i)
+            pairs.setdefault((b.route.shard, b.route.norm_sum), []).append(i)
         self.norm_parts = nn.CellList([_NormPart(tuple(idx), transports[shard], transports[over] if over else None)
                                        for (shard, over), idx in pairs.items()])
-        self.buffers = ParameterTuple([Parameter(Tensor(np.zeros(b.padded, np.float32)), name=f"grad_buffer.{i}",
+        # a parameter the norm does not count (a copy counted elsewhere): its elements masked out of the squares
+        masks = _uncounted_masks(plan, counted, {n: t.group.index if t.group.size > 1 else 0
+                                                 for n, t in transports.items()}) if counted else {}
+        self.masks = tuple(Tensor(masks[b]) if b in masks else None for b in range(len(plan.buckets)))
+        self.grad_buffers = ParameterTuple([Parameter(Tensor(np.zeros(b.padded, np.float32)), name=f"grad_buffer.{i}",
                                                  requires_grad=False) for i, b in enumerate(plan.buckets)]) \
             if accumulate else None
         self.stages, self.dp, self.clip = pp, dp, clip
@@ -101,8 +108,8 @@ class ShardedGradients(nn.Cell):
     def accumulate(self, grads):
         """Adds one micro-batch's gradients into the float32 bucket buffers."""
         for b in range(len(self.members)):
-            ops.assign_add(self.buffers[b], self.flatten(grads, b))
-        return self.buffers[0][:1] * 0
+            ops.assign_add(self.grad_buffers[b], self.flatten(grads, b))
+        return self.grad_buffers[0][:1] * 0
 
     def construct(self, grads, grad_scale):
         """-> (this rank's summed slice of each bucket, the factor to multiply them by, the global norm, finite).
@@ -111,11 +118,15 @@ class ShardedGradients(nn.Cell):
         shards = ()
         for b in range(len(self.members)):
             flat = self.flatten(grads, b)
-            if self.buffers is not None:
-                flat = flat + self.buffers[b]
-                ops.assign(self.buffers[b], ops.zeros_like(flat))
+            if self.grad_buffers is not None:
+                flat = flat + self.grad_buffers[b]
+                ops.assign(self.grad_buffers[b], ops.zeros_like(flat))
             shards = shards + (self.comms[b](flat),)
-        each = _square_sums(shards)
+        each = ()
+        for b in range(len(self.members)):
+            s = shards[b] if self.masks[b] is None else shards[b] * self.masks[b]
+            each = each + ((s * shards[b]).sum().reshape((1,)),)
+        each = ops.concat(each)
         squares = ops.zeros((), ms.float32)
         for part in self.norm_parts:
             squares = squares + part(each)

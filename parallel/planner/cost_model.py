@@ -65,7 +65,7 @@ import numpy as np
 
 from parallel.planner.blocks import BlockCost, BlockCosts, block_costs
 from parallel.planner.costing import Costing
-from parallel.planner.model_shape import dense_layers_in, flops_per_token
+from parallel.planner.model_shape import dense_layers_in, flops_per_token, rank_static_bytes
 from parallel.planner.workload import FP32, Layouts, Workload
 
 
@@ -175,8 +175,9 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     rt = w.cluster.runtime
     # on the device: the kept activations but their offloaded share, and that share of the two blocks in transfer
     offload = 0.0 if rt.keeps_op_outputs else w.activation_offload
-    out = {"weights": params * p.param_bytes, "grads": params * p.grad_bytes,
-           "optimizer": (p.optimizer_bytes + p.master) * (dense / shards_dense + expert / shards_expert),
+    static = rank_static_bytes(dense, expert, shards_dense, shards_expert, p.param_bytes, p.grad_bytes,
+                               p.optimizer_bytes, p.master)     # the dry run's formula; gradients summed in place
+    out = {"weights": static["weights"], "grads": static["grads"], "optimizer": static["optimizer"],
            "activation_per_microbatch": (1 - offload) * act,
            "activations": (1 - offload) * act * in_flight(lay, st.stage),
            "transient": transient + offload * 2 * largest_act,
