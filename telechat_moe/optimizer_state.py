@@ -23,12 +23,13 @@ from telechat_moe.checkpoint import Shard
 
 
 class OptimizerCheckpoint:
-    """`opt`: the ShardedAdamW; `names`: its weights' names in its order; `weight_shards`: name -> Shard of the
-    weights split over tensor or expert parallelism (the others are whole on this rank)."""
+    """`opt`: the ShardedAdamW; `names`: its weights' names in its order, None for a weight whose state is not
+    checkpointed (a replica's, rebuilt on resume); `weight_shards`: name -> Shard of the weights split over tensor
+    or expert parallelism (the others are whole on this rank)."""
 
-    def __init__(self, opt, names: list[str], weight_shards: dict[str, Shard]):
+    def __init__(self, opt, names: list[str | None], weight_shards: dict[str, Shard]):
         self.opt, self.names, self.weight_shards = opt, names, weight_shards
-        self.pieces = {p.param: p for p in opt.plan.pieces(opt.index)}
+        self.pieces = {p.param: p for p in opt.plan.pieces(opt.index) if names[p.param] is not None}
         self.gathered = [i for i, n in enumerate(names) if n in weight_shards and weight_shards[n].dim != 0]
         self.holders: list[tuple[int, str, Parameter]] = []
 
@@ -55,7 +56,7 @@ class OptimizerCheckpoint:
                     params.append(Parameter(Tensor(np.ascontiguousarray(whole[kind][i])), name=key,
                                             requires_grad=False))
                     shards[key] = self.weight_shards[name]
-                elif i in by_param:
+                elif i in by_param and i in self.pieces:
                     base, full = self._flat(i)
                     params.append(Parameter(Tensor(by_param[i][kind]), name=key, requires_grad=False))
                     shards[key] = Shard(0, base + self.pieces[i].start, full)

@@ -88,7 +88,8 @@ class Trainer:
         update = Update.of(recipe, self.model, self.groups, self._tp_axes, device)
         self.weights, self.optimizer, prepare = update.weights, update.optimizer, update.prepare
         # the distributed optimizer's state by weight name, for checkpoints (telechat_moe/optimizer_state.py)
-        self.sliced_state = OptimizerCheckpoint(self.optimizer, [w.name for w in self.weights],
+        self.sliced_state = OptimizerCheckpoint(self.optimizer, [None if outside_checkpoints(w.name) else w.name
+                                                                 for w in self.weights],
                                                 self._shards(self.weights)) if update.distributed else None
 
         self.router_rows, mlps = routed_layers(self.model)
