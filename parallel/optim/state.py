@@ -87,7 +87,9 @@ def masters_from_weights(opt) -> None:
 
 
 def _whole_bucket(opt, b: int, value) -> np.ndarray:
-    return opt.comms[b].gather(value if isinstance(value, Tensor) else Tensor(value)).asnumpy()
+    # a plain tensor of the values (a Parameter, a Ref to the CPU transport's eager ops, does not stack with zeros)
+    value = value.asnumpy() if isinstance(value, Tensor) else value
+    return opt.comms[b].gather(Tensor(np.ascontiguousarray(value))).asnumpy()
 
 
 def _split(opt, b: int, whole: np.ndarray) -> dict[int, np.ndarray]:
