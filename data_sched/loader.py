@@ -1,8 +1,13 @@
 """Deterministic, resumable batches of packed samples, split over data-parallel ranks.
 
-Epoch e visits the samples in a permutation drawn from (seed, e); global batch k of that epoch is
-perm[k*G:(k+1)*G] (the incomplete last batch is dropped) and DP rank r takes the r-th of dp_size equal, contiguous
-shares. The position is (epoch, index of the next global batch): restoring it continues with exactly that batch.
+The samples are any sample set (`packing.PackedSamples` in memory, `indexed_samples.IndexedSamples` memory-mapped,
+`blend.BlendedSamples`): epoch e visits them in the order the set gives for (seed, e), a seeded permutation or a
+blend's fixed mix; global batch k of that epoch is positions k*G..(k+1)*G of it (the incomplete last batch is
+dropped) and DP rank r takes the r-th of dp_size equal, contiguous shares, reading only those samples' tokens.
+The position is (epoch, index of the next global batch): restoring it continues with exactly that batch. The
+global order depends on the seed, the global batch size and the data, never on data_parallel, so a run resumed
+with another data_parallel (same global_batch_size) trains the same global batches; only their split over ranks
+changes.
 
 With attention balancing on, every rank computes the same assignment of the global batch to (rank, micro-batch)
 slots (`balance_global_batch`, pure and seeded by (seed, epoch, index)) and takes its share; micro-batch m of a
@@ -16,10 +21,10 @@ from typing import Iterator
 
 import numpy as np
 
-from data_sched.attention_balance import DocLengths, balance_global_batch, check_balance_mode, check_context_loss
+from data_sched.attention_balance import balance_global_batch, check_balance_mode, check_context_loss
 from data_sched.attention_cost import CostModel
 from data_sched.errors import DataError
-from data_sched.packing import PackedSamples, doc_lens_to_segment_ids
+from data_sched.packing import doc_lens_to_segment_ids
 
 # Without a calibration the plan is made and priced with the attention term alone. With fixed-length samples the
 # token and sample terms add the same to every slot: a calibrated model changes the predicted times and how close
@@ -29,24 +34,30 @@ ATTENTION_ONLY = CostModel(a=1.0, b=0.0, c=0.0, source="attention term only")
 COLUMNS = ("input_ids", "labels", "segment_ids")
 
 
-def split_holdout(docs: list, fraction: float, seed: int) -> tuple[list, list]:
-    """(train, held_out): a seeded random `fraction` of the documents is held out; both keep corpus order."""
+def holdout_mask(num_docs: int, fraction: float, seed: int) -> np.ndarray:
+    """bool [num_docs]: a seeded random `fraction` of the documents (at least one when fraction > 0) is held out."""
     if not 0.0 <= fraction < 1.0:
         raise DataError(f"data.eval_fraction: expected a number in [0, 1), got {fraction}")
-    n_held = int(round(fraction * len(docs)))
+    n_held = int(round(fraction * num_docs))
     if fraction > 0:
         n_held = max(1, n_held)
-    if n_held >= len(docs):
-        raise DataError(f"data.eval_fraction={fraction}: {len(docs)} document(s) leave nothing to train on")
-    held = np.zeros(len(docs), dtype=bool)
-    held[np.random.default_rng([seed, 0x401D]).permutation(len(docs))[:n_held]] = True
+    if n_held >= num_docs:
+        raise DataError(f"data.eval_fraction={fraction}: {num_docs} document(s) leave nothing to train on")
+    held = np.zeros(num_docs, dtype=bool)
+    held[np.random.default_rng([seed, 0x401D]).permutation(num_docs)[:n_held]] = True
+    return held
+
+
+def split_holdout(docs: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held_out) by `holdout_mask`; both keep corpus order."""
+    held = holdout_mask(len(docs), fraction, seed)
     return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
 
 
 class BatchLoader:
     """This DP rank's share of each global batch: {input_ids, labels, segment_ids}, int32 [G/dp, seq_length]."""
 
-    def __init__(self, samples: PackedSamples, global_batch_size: int, seed: int, dp_rank: int = 0,
+    def __init__(self, samples, global_batch_size: int, seed: int, dp_rank: int = 0,
                  dp_size: int = 1, micro_batch_num: int = 1, attention_balance: str = "off",
                  cost_model: CostModel | None = None, max_context_loss: float = 1.0):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -75,28 +86,25 @@ class BatchLoader:
         self.batches_per_epoch = len(samples) // global_batch_size
         self.epoch = 0
         self.index = 0
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
         self._context_loss: dict[tuple[int, int], float] = {}   # of the batches made, by (epoch, index)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
-            self._perm_epoch = epoch
-        return self._perm
-
     def global_batch_indices(self, epoch: int, index: int) -> np.ndarray:
-        """Sample indices of global batch `index` of `epoch`, in DP-rank order."""
+        """Sample ids of global batch `index` of `epoch`, in DP-rank order."""
         g = self.global_batch_size
-        return self._permutation(epoch)[index * g:(index + 1) * g]
+        return self.samples.ids_at(self.seed, epoch, index * g, (index + 1) * g)
+
+    def source_shares(self, epoch: int, index: int) -> dict[str, float]:
+        """Each source's share of the samples of a global batch (one source: {name: 1.0})."""
+        counts = np.bincount(self.samples.source_of(self.global_batch_indices(epoch, index)),
+                             minlength=len(self.samples.source_names))
+        return {name: float(c) / self.global_batch_size for name, c in zip(self.samples.source_names, counts)}
 
     def assignment_at(self, epoch: int, index: int):
         """The balanced layout of a global batch (None when balancing is off); the same on every rank."""
         if self.attention_balance == "off":
             return None
         rows = self.global_batch_indices(epoch, index)
-        batch = DocLengths.take(self.samples.doc_lens, self.samples.doc_offsets, rows)
-        return balance_global_batch(batch, self.attention_balance,
+        return balance_global_batch(self.samples.doc_lengths(rows), self.attention_balance,
                                     self.dp_size, self.micro_batch_num, self.cost_model,
                                     seed=int(np.random.default_rng([self.seed, epoch, index]).integers(2**31)),
                                     max_context_loss=self.max_context_loss)
@@ -115,17 +123,33 @@ class BatchLoader:
             self._context_loss[at] = self.assignment_at(*at).context_loss
         return self._context_loss[at]
 
+    def _own(self) -> slice:
+        return slice(self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size)
+
+    def samples_read(self, epoch: int, index: int) -> np.ndarray:
+        """Ids of the samples of a global batch whose tokens this rank reads: its share; with balancing, the
+        samples its slots take pieces of."""
+        rows, plan = self.global_batch_indices(epoch, index), self.assignment_at(epoch, index)
+        if plan is None:
+            return rows[self._own()]
+        return rows[np.unique(plan.pieces(self._own().start, self._own().stop)[0])]
+
     def batch_at(self, epoch: int, index: int) -> dict[str, np.ndarray]:
         rows = self.global_batch_indices(epoch, index)
-        lo, hi = self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
+        lo, hi = self._own().start, self._own().stop
         seq = self.samples.seq_length
         plan = self.assignment_at(epoch, index)
         if plan is None:
-            tokens = self.samples.tokens[rows[lo:hi]]
+            tokens = self.samples.take(rows[lo:hi])
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            lens = [self.samples.sample_doc_lens(i) for i in rows[lo:hi]]
+            found = self.samples.doc_lengths(rows[lo:hi])
+            lens = [found.sample(j) for j in range(len(found))]
         else:
-            inputs, labels = plan.apply(self.samples.tokens[rows], lo, hi)
+            # only the global batch's samples this rank's micro-batches take pieces of are read
+            tokens = np.zeros((len(rows), seq + 1), dtype=np.int32)
+            needed = np.unique(plan.pieces(lo, hi)[0])
+            tokens[needed] = self.samples.take(rows[needed])
+            inputs, labels = plan.apply(tokens, lo, hi)
             lens = np.split(plan.pieces(lo, hi)[2], np.cumsum(plan.counts[lo:hi].sum(axis=1))[:-1])
             if len(self._context_loss) < 64:
                 self._context_loss[(epoch, index)] = plan.context_loss

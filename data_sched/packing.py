@@ -8,20 +8,35 @@ boundary contributes one piece to each sample it touches, so a sample's document
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from data_sched.attention_balance import DocLengths
 from data_sched.errors import DataError
+
+
+def epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits a dataset's samples: one seeded permutation per epoch."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
 @dataclass(frozen=True)
 class PackedSamples:
-    """tokens: int32 [N, seq_length+1]; sample i's document lengths are doc_lens[doc_offsets[i]:doc_offsets[i+1]]."""
+    """Samples held in memory (text corpora): tokens int32 [N, seq_length+1]; sample i's document lengths are
+    doc_lens[doc_offsets[i]:doc_offsets[i+1]].
+
+    The loader reads every kind of sample set through the same five members: len, seq_length, ids_at (the samples
+    at positions lo..hi of an epoch, in training order), take (their tokens) and doc_lengths; source_of and
+    source_names say which source of a blend a sample came from. `indexed_samples.IndexedSamples` serves the same
+    from memory-mapped files, `blend.BlendedSamples` mixes several by weight.
+    """
     tokens: np.ndarray
     doc_offsets: np.ndarray  # int64 [N+1]
     doc_lens: np.ndarray     # int32 [total pieces]
     dropped_tokens: int = 0
+    _orders: dict = field(default_factory=dict, compare=False, repr=False)
+    source_names = ("corpus",)
 
     @property
     def seq_length(self) -> int:
@@ -35,6 +50,21 @@ class PackedSamples:
 
     def doc_lens_list(self) -> list[np.ndarray]:
         return [self.sample_doc_lens(i) for i in range(len(self))]
+
+    def ids_at(self, seed: int, epoch: int, lo: int, hi: int) -> np.ndarray:
+        if (seed, epoch) not in self._orders:
+            self._orders.clear()
+            self._orders[(seed, epoch)] = epoch_order(seed, epoch, len(self))
+        return self._orders[(seed, epoch)][lo:hi]
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        return self.tokens[ids]
+
+    def doc_lengths(self, ids: np.ndarray) -> DocLengths:
+        return DocLengths.take(self.doc_lens, self.doc_offsets, np.asarray(ids))
+
+    def source_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.zeros(len(ids), dtype=np.int64)
 
 
 def pack_lengths(segment_lengths: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_sched.blend import BlendedSamples, blend, parse_paths
 from data_sched.default_corpus import default_corpus
 from data_sched.errors import DataError
+from data_sched.indexed_samples import IndexedSamples, open_indexed_samples
 from data_sched.loader import split_holdout
 from data_sched.packing import PackedSamples, pack_documents
 from data_sched.sources import load_texts
@@ -15,8 +17,8 @@ from data_sched.tokenizer import Tokenizer, train_tokenizer
 @dataclass(frozen=True)
 class PreparedData:
     tokenizer: Tokenizer
-    train: PackedSamples
-    held_out: PackedSamples | None
+    train: PackedSamples | IndexedSamples | BlendedSamples     # the sample-set members of PackedSamples
+    held_out: PackedSamples | IndexedSamples | BlendedSamples | None
 
 
 # Where a run that trains its own tokenizer keeps it, in its output folder; later runs into the folder load it.
@@ -50,40 +52,47 @@ def _is_indexed(path: str) -> bool:
     return path.endswith((".bin", ".idx"))
 
 
-def _prepare_indexed(paths: list[str], seq_length: int, seed: int, eval_fraction: float,
-                     tokenizer_path: str | None, vocab_size: int | None) -> PreparedData:
-    from data_sched.indexed_dataset import read_documents
-
+def _prepare_indexed(entries: list[tuple[str, float | None]], seq_length: int, seed: int, eval_fraction: float,
+                     tokenizer_path: str | None, vocab_size: int | None, cache_dir: str) -> PreparedData:
     if not tokenizer_path:
-        raise DataError(f"data.tokenizer: {paths[0]} holds token ids; name the tokenizer that produced them")
+        raise DataError(f"data.tokenizer: {entries[0][0]} holds token ids; name the tokenizer that produced them")
     tokenizer = _load_tokenizer(tokenizer_path, vocab_size)
-    docs = []
-    for path in paths:
-        found = read_documents(path, eod_id=tokenizer.eod_id)
-        top = max((int(d.max()) for d in found if len(d)), default=0)
-        if top >= tokenizer.vocab_size:
-            raise DataError(f"{path}: token id {top} does not fit tokenizer {tokenizer_path} "
-                            f"(vocab_size {tokenizer.vocab_size})")
-        docs.extend(found)
-    train_docs, held_docs = split_holdout(docs, eval_fraction, seed)
-    held = pack_documents(held_docs, seq_length, tokenizer.eod_id) if held_docs else None
-    return PreparedData(tokenizer, pack_documents(train_docs, seq_length, tokenizer.eod_id), held)
+    opened = [open_indexed_samples(path, seq_length, seed, eval_fraction, tokenizer.eod_id, tokenizer.vocab_size,
+                                   cache_dir) for path, _ in entries]
+    weights = [w for _, w in entries]
+    if len(opened) == 1:
+        train, held = opened[0]["train"], opened[0]["held_out"]
+    else:
+        train = blend([o["train"] for o in opened], weights)
+        kept = [(o["held_out"], w) for o, w in zip(opened, weights) if len(o["held_out"])]
+        held = blend(*map(list, zip(*kept))) if kept else None
+    if not len(train):      # (a blend refuses a source too small for one sample itself)
+        raise DataError(f"corpus too small: {train.num_tokens} tokens cannot fill one sample of "
+                        f"seq_length={seq_length} (+1 for the labels)")
+    return PreparedData(tokenizer, train, held if held is not None and len(held) else None)
 
 
 def prepare_data(paths: list[str] | None, seq_length: int, seed: int, eval_fraction: float,
                  tokenizer_path: str | None = None, vocab_size: int | None = None,
-                 tokenizer_out: str | None = None) -> PreparedData:
+                 tokenizer_out: str | None = None, cache_dir: str = "") -> PreparedData:
     """Load documents (the default corpus when `paths` is empty), split off a held-out set, tokenize, pack.
 
-    `paths` are text corpora (.jsonl/.txt) or indexed datasets (.bin/.idx from scripts/preprocess_data.py, with
-    the tokenizer that wrote them). The tokenizer is loaded from `tokenizer_path` when given (refused when it has
+    `paths` (`data.paths`, see `blend.parse_paths`) are text corpora (.jsonl/.txt), read into memory, or indexed
+    datasets (.bin/.idx from scripts/preprocess_data.py, with the tokenizer that wrote them), served memory-mapped
+    with their packing and shuffle indexes cached in `cache_dir` (default: beside the data); several indexed
+    datasets are blended by their weights. The tokenizer is loaded from `tokenizer_path` when given (refused when it has
     more pieces than a given `vocab_size`); otherwise trained on the training split with `vocab_size` and written
     to `<tokenizer_out>.model`. Held-out documents never reach tokenizer training.
     """
-    if paths and any(_is_indexed(p) for p in paths):
-        if not all(_is_indexed(p) for p in paths):
+    entries = parse_paths(paths or [])
+    if any(_is_indexed(p) for p, _ in entries):
+        if not all(_is_indexed(p) for p, _ in entries):
             raise DataError("data.paths: do not mix indexed datasets (.bin/.idx) with text corpora")
-        return _prepare_indexed(list(paths), seq_length, seed, eval_fraction, tokenizer_path, vocab_size)
+        return _prepare_indexed(entries, seq_length, seed, eval_fraction, tokenizer_path, vocab_size, cache_dir)
+    if any(w is not None for _, w in entries):
+        raise DataError("data.paths: weights blend indexed datasets; tokenize the text corpora first with "
+                        "python -m scripts.preprocess_data")
+    paths = [p for p, _ in entries]
     texts = load_texts(paths) if paths else default_corpus()
     train_texts, held_texts = split_holdout(texts, eval_fraction, seed)
     if tokenizer_path:
