@@ -225,7 +225,8 @@ def priced_1t(args, rng, cost: MoveCost, spt: float) -> list[dict]:
     routing (512 experts, top-8, over its 128 EP ranks in nodes of 8). A migration's cost, amortised: the seconds
     its moves take per layer and window, times the MoE layers a pipeline stage holds, over the window's steps."""
     import dataclasses
-    from parallel.planner.cost_model import Layouts, evaluate
+    from parallel.planner.cost_model import evaluate
+    from parallel.planner.workload import Layouts
     from telechat_moe.recipe import load_recipe
     from telechat_moe.workload import recipe_layout, recipe_workload
     recipe = load_recipe("recipes/1t.yaml")

@@ -9,6 +9,10 @@ reads and writes of those Parameters. `hyper` is `adamw_hyper(...)`'s float32 [9
 leaves everything as it was, so the training graph needs no branch around it (on CPU a branch splits the graph,
 costing milliseconds of host time a step). Ascend keeps MindSpore's AdamWeightDecay (telechat_moe/optim.py
 chooses). `tests/test_adamw_kernel.py` checks it against torch.optim.AdamW's arithmetic.
+
+`adamw_slice_update_cpu` is the same update over one rank's slice of a bucket of parameters laid end to end (the
+distributed optimizer of parallel/optim, float32 weights: the weights themselves are the master, as in
+Megatron-Core, and only the slice's elements are stepped).
 """
 from __future__ import annotations
 
@@ -24,6 +28,13 @@ from dvm_fusion.native import each_float32, library
 @cache
 def _kernel():
     kernel = ops.Custom(f"{library('adamw')}:AdamW", out_shape=lambda *shapes: (1,),
+                        out_dtype=lambda *dtypes: ms.float32, func_type="aot")
+    return kernel.add_prim_attr("side_effect_mem", True)
+
+
+@cache
+def _slice_kernel():
+    kernel = ops.Custom(f"{library('adamw')}:AdamWSlice", out_shape=lambda *shapes: (1,),
                         out_dtype=lambda *dtypes: ms.float32, func_type="aot")
     return kernel.add_prim_attr("side_effect_mem", True)
 
@@ -48,3 +59,10 @@ def adamw_update_cpu(params, exp_avgs, exp_avg_sqs, grads, hyper, weight_decays)
     kernel's status ([1], 0)."""
     return _kernel()(*(tuple(params) + tuple(exp_avgs) + tuple(exp_avg_sqs) + each_float32(tuple(grads))
                        + (hyper, weight_decays)))
+
+
+def adamw_slice_update_cpu(params, exp_avg, exp_avg_sq, grad, hyper, weight_decay, lo):
+    """One AdamW step of elements [lo, lo + S) of float32 `params` laid end to end (a bucket of the distributed
+    optimizer; the elements past the last parameter are padding, skipped), in place; `exp_avg`, `exp_avg_sq`,
+    `grad` float32 [S] (this rank's slice), `weight_decay` float32 [1], `lo` int64 [1]. Returns the status ([1])."""
+    return _slice_kernel()(*(tuple(params) + (exp_avg, exp_avg_sq, grad, hyper, weight_decay, lo)))

@@ -21,6 +21,11 @@ was saved from the rank's own file, and otherwise assembles the slice it needs f
 (`<root>/rank_<r>/<step>/`, opening only the files that hold a part of it), so a resume with another number of
 ranks or another split computes the same function. Checkpoints older than these fields load as one rank's, nothing
 sharded.
+
+The distributed optimizer (parallel/optim) holds a parameter's Adam moments (and float32 master, below float32
+weights) as each rank's slice of its flattened elements: they are saved as flat arrays `adam_m.<name>` sharded
+along dim 0 of the flattened parameter, and a tensor saved flat loads into one wanted in the parameter's shape and
+the other way round (`_reflattened`), so a dp=4 run resumes at dp=1 (replicated optimizer) or dp=2 and back.
 """
 from __future__ import annotations
 
@@ -323,6 +328,9 @@ def _assemble(step: _Step, name: str, mine: np.ndarray, saved: Shard | None, wan
             raise CheckpointError(f"{step.path / STATE}: shards of {name}: {problem}")
     saved_global = tuple(mine.shape) if saved is None else _with(tuple(mine.shape), saved.dim, saved.full)
     want_global = shape if want is None else _with(shape, want.dim, want.full)
+    if saved_global != want_global and math.prod(saved_global) == math.prod(want_global) \
+            and 1 in (len(saved_global), len(want_global)):
+        return _reflattened(step, name, mine, saved, want, shape, saved_global, want_global)
     if saved_global != want_global:
         raise CheckpointError(f"{weights}: {name} has shape {saved_global}, this model expects {want_global}; it "
                               f"was written by a model of another shape")
@@ -374,6 +382,21 @@ def _assemble(step: _Step, name: str, mine: np.ndarray, saved: Shard | None, wan
             src[want.dim] = slice(want.offset, want.offset + shape[want.dim])
         out[tuple(dst)] = step.weights(r)[name][tuple(src)]
     return out
+
+
+def _reflattened(step: _Step, name: str, mine: np.ndarray, saved: Shard | None, want: Shard | None, shape: tuple,
+                 saved_global: tuple, want_global: tuple) -> np.ndarray:
+    """A tensor saved flat and wanted shaped, or the other way round (the distributed optimizer holds each rank's
+    state as a flat slice of the parameter's elements; the replicated one holds it in the parameter's shape): the
+    whole saved tensor assembled, flattened in C order, and cut or shaped as this run wants it."""
+    whole = _assemble(step, name, mine, saved, None, saved_global).reshape(-1)
+    if want is None:
+        return whole.reshape(shape)
+    if len(want_global) == 1:
+        return whole[want.offset:want.offset + shape[0]]
+    index = [slice(None)] * len(shape)
+    index[want.dim] = slice(want.offset, want.offset + shape[want.dim])
+    return whole.reshape(want_global)[tuple(index)]
 
 
 def load_checkpoint(path: str | Path, params: list[Parameter], fields: dict | None = None,

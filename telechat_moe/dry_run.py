@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from parallel.ep.capacity import exchange_rows
 from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
-from telechat_moe.recipe import Recipe
+from telechat_moe.recipe_schema import Recipe
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GIB = 2 ** 30

@@ -475,8 +475,10 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     import numpy as np
     from parallel.layout import RECOMPUTE
     from parallel.planner.cluster import Cluster
-    from parallel.planner.cost_model import (Layouts, Precision, Workload, _Costing, block_costs, even_stage,
-                                             gradient_comm, stage_memory)
+    from parallel.planner.blocks import block_costs
+    from parallel.planner.cost_model import even_stage, gradient_comm, stage_memory
+    from parallel.planner.costing import Costing
+    from parallel.planner.workload import Layouts, Precision, Workload
     from telechat_moe.workload import DTYPES
     seq = seq or cfg.seq_length
     inf = float("inf")
@@ -497,7 +499,7 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
                                          ep_scheme=scheme, devices_per_node=cluster.devices_per_node))
     b = block_costs(w, lay)
     mode = RECOMPUTE.index(recompute)
-    ep_moe = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), _Costing(w, lay).ep_all_to_all())}
+    ep_moe = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), Costing(w, lay).ep_all_to_all())}
     redo = 2 if recompute == "full" else 1      # full recompute runs each layer's forward again in its backward
 
     def comm(block, direction):

@@ -253,3 +253,40 @@ def test_an_old_checkpoint_still_loads(tmp_path):
         params, shards = params_for(r, 2, None)
         assert load_checkpoint(path, params, TRAINER_STATE, shards=shards) == STATE
         assert_holds(params, shards, full)
+
+
+def test_flat_optimizer_slices_reshard_between_data_parallel_degrees(tmp_path):
+    """The distributed optimizer's moments: each rank's slice of the flattened tensor (unequal, one rank holding
+    none of one tensor, as the bucket plan cuts them), saved by 4 ranks, load whole in the tensor's shape (the
+    one-process optimizer), as 2 ranks' flat slices, and a whole checkpoint loads as flat slices again."""
+    full = full_tensors(5)
+    names = ("adam_m.dense", "adam_m.w1")
+    cuts = {"adam_m.dense": [0, 5, 5, 9, 12], "adam_m.w1": [0, 13, 20, 30, 48]}   # rank r: [cut[r], cut[r+1])
+
+    def flat_params(r, bounds, source):
+        params, shards = [], {}
+        for n in names:
+            lo, hi = bounds[n][r], bounds[n][r + 1]
+            if hi == lo:
+                continue
+            value = np.zeros(hi - lo, np.float32) if source is None else source[n].reshape(-1)[lo:hi].copy()
+            params.append(Parameter(Tensor(value), name=n))
+            shards[n] = Shard(0, lo, full[n].size)
+        return params, shards
+
+    for r in range(4):
+        params, shards = flat_params(r, cuts, full)
+        save_checkpoint(tmp_path / "dp4", r, 3, params, STATE, keep=1, shards=shards, world=4)
+    whole = [Parameter(Tensor(np.zeros(full[n].shape, np.float32)), name=n) for n in names]
+    load_checkpoint(resume_point(tmp_path / "dp4", 0), whole, TRAINER_STATE)
+    assert all(np.array_equal(p.asnumpy(), full[p.name]) for p in whole)
+    halves = {n: [0, full[n].size // 2, full[n].size] for n in names}
+    for r in range(2):
+        params, shards = flat_params(r, halves, None)
+        load_checkpoint(resume_point(tmp_path / "dp4", r), params, TRAINER_STATE, shards=shards)
+        assert all(np.array_equal(p.asnumpy(), full[p.name].reshape(-1)[halves[p.name][r]:halves[p.name][r + 1]])
+                   for p in params)
+    save_checkpoint(tmp_path / "dp1", 0, 3, [Parameter(Tensor(full[n]), name=n) for n in names], STATE, keep=1)
+    params, shards = flat_params(1, halves, None)
+    load_checkpoint(resume_point(tmp_path / "dp1", 0), params, TRAINER_STATE, shards=shards)
+    assert all(np.array_equal(p.asnumpy(), full[p.name].reshape(-1)[halves[p.name][1]:]) for p in params)

@@ -6,7 +6,8 @@ import pytest
 from parallel.layout import Axis
 from parallel.planner.model_shape import parameter_breakdown
 from telechat_moe.errors import RecipeError
-from telechat_moe.recipe import check_trainable, find_recipe, launched_processes, load_recipe
+from telechat_moe.recipe import find_recipe, load_recipe
+from telechat_moe.recipe_checks import check_trainable, launched_processes
 from tests.helpers import assert_one_line_error, run_cli, run_main
 
 ALL = ["tiny", "small", "105b", "370b", "1t"]

@@ -100,4 +100,61 @@ int AdamW(int nparam, void **params, int *ndims, int64_t **shapes, const char **
   return 0;
 }
 
+// One rank's slice of a bucket (the distributed optimizer, parallel/optim): the parameters laid end to end form
+// the bucket; elements [lo, lo + S) of it are this rank's, with their moments and gradient given as S-element
+// arrays. The parameters' elements in that range are updated in place, the rest untouched (the padding past the
+// last parameter has moments and a gradient but no parameter: skipped). One weight decay for the bucket.
+// Inputs: n parameters (float32, whole), exp_avg [S], exp_avg_sq [S], gradient [S], hyper [9], decay [1],
+// lo (int64 [1]); output float32 [1] (0). Returns 0; 1: an input not of its dtype; 2: sizes differ.
+int AdamWSlice(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *, void *) {
+  const int n = nparam - 7;
+  if (n < 1) return 2;
+  for (int i = 0; i < nparam - 2; ++i)
+    if (std::strcmp(dtypes[i], "float32") != 0) return 1;
+  if (std::strcmp(dtypes[nparam - 2], "int64") != 0) return 1;
+  auto size = [&](int i) {
+    int64_t s = 1;
+    for (int d = 0; d < ndims[i]; ++d) s *= shapes[i][d];
+    return s;
+  };
+  const int64_t slice = size(n);
+  if (size(n + 1) != slice || size(n + 2) != slice || size(n + 4) != 1) return 2;
+  Hyper h;
+  std::memcpy(&h, params[n + 3], sizeof h);
+  const float decay = *static_cast<const float *>(params[n + 4]);
+  const int64_t lo = *static_cast<const int64_t *>(params[n + 5]), hi = lo + slice;
+  *static_cast<float *>(params[nparam - 1]) = 0.0f;
+  if (h.finite != 1.0f) return 0;
+  float *m = static_cast<float *>(params[n]), *v = static_cast<float *>(params[n + 1]);
+  const float *g = static_cast<const float *>(params[n + 2]);
+  // the pieces of [lo, hi) that fall in a parameter: (parameter pointer, slice offset, length), end to end
+  Tensors t;
+  t.start.push_back(0);
+  int64_t start = 0;
+  for (int k = 0; k < n; ++k) {
+    const int64_t s = size(k), a = std::max(lo, start), z = std::min(hi, start + s);
+    if (z > a) {
+      t.p.push_back(static_cast<float *>(params[k]) + (a - start));
+      t.m.push_back(m + (a - lo));
+      t.v.push_back(v + (a - lo));
+      t.g.push_back(g + (a - lo));
+      t.start.push_back(t.start.back() + (z - a));
+    }
+    start += s;
+  }
+  if (t.p.empty()) return 0;
+  std::vector<float> decays(t.p.size(), decay);
+  t.decay = decays.data();
+  const int64_t total = t.start.back();
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(h.threads), total >> 18));
+  const int64_t chunk = ((total + threads - 1) / threads + 15) & ~int64_t(15);
+  std::vector<std::thread> others;
+  for (int64_t i = 1; i < threads; ++i)
+    others.emplace_back(update_range, std::cref(t), std::cref(h), std::min(total, i * chunk),
+                        std::min(total, (i + 1) * chunk));
+  update_range(t, h, 0, std::min(total, chunk));
+  for (auto &other : others) other.join();
+  return 0;
+}
+
 }  // extern "C"

@@ -26,8 +26,9 @@ import numpy as np
 
 from oneline import InputError
 from parallel.layout import RECOMPUTE, ParallelLayout
-from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
-                                         stage_parts)
+from parallel.planner.blocks import block_costs
+from parallel.planner.cost_model import StagePlan, p2p_time, stage_memory, stage_parts
+from parallel.planner.workload import Layouts, Workload
 from parallel.pipeline.schedules import ChunkLayout
 from parallel.pipeline.simulator import StageCosts
 

@@ -296,26 +296,44 @@ def master_copy_bytes(param_bytes: float, master_bytes: float | None = None) -> 
     return 4 if param_bytes < 4 else 0
 
 
+def rank_static_bytes(dense, expert, dense_shards, expert_shards, param_bytes: float, grad_bytes: float,
+                      optimizer_bytes_per_param: float, master_bytes: float, accumulate_bytes: float = 0.0) -> dict:
+    """THE per-rank static memory: what a rank holding `dense` + `expert` parameters keeps for them, the optimizer
+    state divided over `dense_shards` (dp x cp) and `expert_shards` (edp) ranks. Scalars or NumPy arrays (the
+    planner's layouts); the dry run, its fit check and the planner's cost model all call this.
+
+    'weights' in their dtype; 'optimizer' Adam's moments plus the master copy, each rank its share; 'grad_buffers'
+    the gradients held across micro-batches (`accumulate_bytes` per parameter: the distributed optimizer's float32
+    bucket buffers, or the replicated path's accumulators in the weights' dtype; 0 with one micro-batch); 'held'
+    what stays allocated between steps (what the trainer measures); 'grads' the step's gradients, alive from the
+    backward to the update; 'total' both."""
+    params = dense + expert
+    row = {"params": params, "weights": params * param_bytes, "grads": params * grad_bytes,
+           "optimizer": (optimizer_bytes_per_param + master_bytes) * (dense / dense_shards + expert / expert_shards),
+           "grad_buffers": params * accumulate_bytes}
+    row["held"] = row["weights"] + row["optimizer"] + row["grad_buffers"]
+    row["total"] = row["held"] + row["grads"]
+    return row
+
+
 def training_memory(s: ModelShape, layout: ParallelLayout, param_bytes: float, grad_bytes: float,
                     optimizer_bytes_per_param: float, shard_optimizer: bool,
-                    layers_per_stage: list[int] | None = None, master_bytes: float | None = None) -> dict:
-    """Bytes per device for weights, gradients and optimizer states, for the heaviest pipeline stage.
+                    layers_per_stage: list[int] | None = None, master_bytes: float | None = None,
+                    accumulate_bytes: float = 0.0) -> dict:
+    """Bytes per device for weights, gradients and optimizer states (`rank_static_bytes`), for the heaviest
+    pipeline stage.
 
     `optimizer_bytes_per_param` is Adam's m and v (8 for fp32 states). The master copy (`master_copy_bytes`) is
     an optimizer state. With `shard_optimizer`, optimizer states are
     split over the dense data-parallel group (dp * cp) and the expert data-parallel group (edp); weights and
     gradients stay whole on every replica (ZeRO-1 / MindFormers' parallel optimizer without gradient sharding).
     """
-    opt_bytes = optimizer_bytes_per_param + master_copy_bytes(param_bytes, master_bytes)
+    master = master_copy_bytes(param_bytes, master_bytes)
     dense_shards = layout.dp * layout.cp if shard_optimizer else 1
     expert_shards = layout.edp if shard_optimizer else 1
-    per_stage = []
-    for p in stage_parameters(s, layout, layers_per_stage):
-        params = p["dense"] + p["expert"]
-        row = {"params": params, "weights": params * param_bytes, "grads": params * grad_bytes,
-               "optimizer": opt_bytes * (p["dense"] / dense_shards + p["expert"] / expert_shards)}
-        row["total"] = row["weights"] + row["grads"] + row["optimizer"]
-        per_stage.append(row)
+    per_stage = [rank_static_bytes(p["dense"], p["expert"], dense_shards, expert_shards, param_bytes, grad_bytes,
+                                   optimizer_bytes_per_param, master, accumulate_bytes)
+                 for p in stage_parameters(s, layout, layers_per_stage)]
     worst = max(range(len(per_stage)), key=lambda i: per_stage[i]["total"])
     return {**per_stage[worst], "stage": worst, "per_stage": per_stage}
 
