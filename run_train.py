@@ -31,7 +31,7 @@ def train(recipe, resume: bool) -> None:
     failed collective or init, or MindSpore's SIGTERM, becomes PeerStopped naming this process."""
     from telechat_moe.launch import (COMMUNICATION, PeerStopped, Terminated, distributed_world, first_line,
                                      is_scheduler, locked_output_dir, rank_before_init, stop_on_sigterm, under_msrun)
-    from telechat_moe.recipe import validate
+    from telechat_moe.recipe_checks import validate
     from telechat_moe.trainer import Trainer, configure_mindspore
     rank = rank_before_init()
     who = "msrun scheduler" if is_scheduler() else f"rank {rank if rank is not None else '?'}"
@@ -79,10 +79,12 @@ def main(argv=None) -> int:
     from oneline import InputError
     from telechat_moe.errors import RecipeError
     from telechat_moe.launch import PeerStopped, check_tokenizer, check_writable, has_ascend
-    from telechat_moe.recipe import check_trainable, launched_processes, load_recipe
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.recipe_checks import check_trainable, launched_processes
     try:
         recipe = load_recipe(args.recipe, args.set)
-        from telechat_moe.dry_run import fit_problem, report, show_parallel
+        from telechat_moe.dry_run import fit_problem, report
+        from telechat_moe.show_parallel import show_parallel
         if args.dry_run:
             print(report(recipe))
             if args.show_parallel:

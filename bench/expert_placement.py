@@ -49,8 +49,9 @@ import numpy as np
 
 from bench.ep_traffic import gumbel_topk
 from oneline import OneLineParser
-from parallel.ep.placement import (LoadPredictor, LoadWindow, MoveCost, Placement, expert_flops_per_token,
-                                   greedy_placement, load_bound, plan_migration, plan_placement)
+from parallel.ep.load import LoadPredictor, LoadWindow
+from parallel.ep.migration_plan import MoveCost, plan_migration
+from parallel.ep.placement import Placement, expert_flops_per_token, greedy_placement, load_bound, plan_placement
 from parallel.planner.cluster import load_cluster
 
 os.environ.setdefault("GLOG_v", "3")      # MindSpore (the tiny trace): errors only
@@ -225,7 +226,8 @@ def priced_1t(args, rng, cost: MoveCost, spt: float) -> list[dict]:
     routing (512 experts, top-8, over its 128 EP ranks in nodes of 8). A migration's cost, amortised: the seconds
     its moves take per layer and window, times the MoE layers a pipeline stage holds, over the window's steps."""
     import dataclasses
-    from parallel.planner.cost_model import Layouts, evaluate
+    from parallel.planner.cost_model import evaluate
+    from parallel.planner.workload import Layouts
     from telechat_moe.recipe import load_recipe
     from telechat_moe.workload import recipe_layout, recipe_workload
     recipe = load_recipe("recipes/1t.yaml")

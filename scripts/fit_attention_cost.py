@@ -76,7 +76,8 @@ class Stepper:
         from mindspore import ParameterTuple
 
         from telechat_moe.model import TeleChatMoE
-        from telechat_moe.trainer import ForwardBackward, configure_mindspore
+        from telechat_moe.train_step import ForwardBackward
+        from telechat_moe.trainer import configure_mindspore
 
         configure_mindspore(recipe)
         ms.set_seed(recipe.seed)

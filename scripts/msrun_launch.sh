@@ -72,7 +72,8 @@ from oneline import InputError
 from parallel.planner.machine import total_memory_bytes
 from telechat_moe.dry_run import fit_problem
 from telechat_moe.launch import has_ascend
-from telechat_moe.recipe import check_trainable, load_recipe
+from telechat_moe.recipe import load_recipe
+from telechat_moe.recipe_checks import check_trainable
 ap = argparse.ArgumentParser(add_help=False)
 ap.add_argument("recipe")
 ap.add_argument("--set", action="append", default=[])

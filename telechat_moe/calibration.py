@@ -37,7 +37,7 @@ import numpy as np
 
 from parallel.planner.calibrate import fit_runtime, runtime_section, step_prediction
 from parallel.planner.cluster import Cluster, cluster_from_dict
-from parallel.planner.cost_model import Layouts, Workload
+from parallel.planner.workload import Layouts, Workload
 from telechat_moe.recipe import load_recipe
 from telechat_moe.workload import recipe_layout, recipe_workload
 

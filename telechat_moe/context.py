@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING
 import mindspore as ms
 
 from data_sched.default_corpus import cache_dir
-from telechat_moe.recipe import FUSION_OP_LISTS
+from telechat_moe.recipe_checks import FUSION_OP_LISTS
 
 if TYPE_CHECKING:
-    from telechat_moe.recipe import ContextConfig, Recipe
+    from telechat_moe.recipe_schema import ContextConfig, Recipe
 
 # recipe key -> HCCL's environment variable (read when communication initialises)
 HCCL_ENV = {"hccl_connect_timeout": "HCCL_CONNECT_TIMEOUT", "hccl_exec_timeout": "HCCL_EXEC_TIMEOUT",

@@ -52,7 +52,7 @@ def record_routing(model, batches: Iterable, *, pynative: bool = True) -> dict[i
     (dicts with int32 `input_ids` [b, s] and optionally `segment_ids` [b, s], as the trainer's loader yields them;
     documents default to one per row), tokens in (batch, row, position) order. Runs in PyNative mode unless
     `pynative` is False (then in the current mode, which compiles a graph per batch shape); the mode is restored."""
-    from telechat_moe.trainer import position_ids
+    from telechat_moe.batches import position_ids
     layers = moe_layer_indices(model)
     found: dict[int, list[np.ndarray]] = {i: [] for i in layers}
     if not layers:

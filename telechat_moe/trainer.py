@@ -12,308 +12,39 @@ from the expert load summed over every rank, identically on every rank, never by
 """
 from __future__ import annotations
 
-import ctypes
 import json
-import os
-import resource
-import shutil
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import mindspore as ms
 import yaml
-from mindspore import ParameterTuple, Tensor, nn, ops  # noqa: F401
+from mindspore import Tensor, nn, ops
 
-from data_sched.attention_cost import CostModel
-from data_sched.loader import BatchLoader
-from data_sched.prepare import TOKENIZER_FILE, prepare_data, tokenizer_in_use
 from dvm_fusion.grouped_matmul import KERNEL_CLOCK
-from dvm_fusion.square_sums import square_sums_for
-from parallel.comm import ProcessGroups, transport_for
-from parallel.ep.traffic import STEP_MULTIPLIER, token_bytes
 from parallel.layout import Axis
 from parallel.tp.mappings import TensorParallel
+from telechat_moe.batches import (SampleLog, batch_tensors, prepare_run_data, publish_tokenizer, source_shares,
+                                  train_loader)
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
-from telechat_moe.dry_run import DTYPE_BYTES
+from telechat_moe.evaluation import Evaluate, held_out_share
+from telechat_moe.expert_monitor import PlacementMonitor, traffic_scalars
 from telechat_moe.expert_placement import ExpertMigrator
-from telechat_moe.metrics import StepLogger, Timer, info, keep_records_until
-from telechat_moe.model import AbsentLayer, TeleChatMoE
+from telechat_moe.gradients import GradientGroups, LossScaler, PrepareGradients, gradient_kind, is_routed_expert
+from telechat_moe.metrics import StepLogger, Timer, info
+from telechat_moe.model import TeleChatMoE
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.replicas import SumReplicaGradients, outside_checkpoints
 from telechat_moe.moe.router import expert_bias_delta
 from telechat_moe.optim import build_adamw, lr_at
+from telechat_moe.pipeline_log import TimelineLog
 from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
 from telechat_moe.profiling import StepProfiler
-from telechat_moe.recipe import Recipe
-
-
-# ---- graph-mode cells ---------------------------------------------------------------------------------
-class ForwardBackward(nn.Cell):
-    """Losses, expert load and the gradients of (total loss x loss scale) for one micro-batch."""
-
-    def __init__(self, model: TeleChatMoE, weights: ParameterTuple):
-        super().__init__(auto_prefix=False)
-        self.model = model
-        self.weights = weights
-        self.grad_fn = ms.value_and_grad(self.scaled_loss, None, self.weights, has_aux=True)
-
-    def scaled_loss(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale):
-        total, lm, mtp, aux, z, loads = self.model(input_ids, labels, loss_mask, segment_ids, position_ids)
-        return total * scale, total, lm, mtp, aux, z, loads
-
-    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale):
-        (_, total, lm, mtp, aux, z, loads), grads = self.grad_fn(input_ids, labels, loss_mask, segment_ids,
-                                                                 position_ids, scale)
-        return total, lm, mtp, aux, z, loads, grads
-
-
-# How a weight's gradient is reduced (PrepareGradients)
-REPLICATED, PARTIAL, TP_SHARD, EXPERT = 0, 1, 2, 3
-
-
-def gradient_kind(name: str, model: TeleChatMoE, tp_axes: dict[str, int]) -> int:
-    """`tp_axes`: the model's tp_split_axes(), walked once by the caller for all its weights."""
-    if is_routed_expert(name):
-        return EXPERT
-    if name in tp_axes:
-        return TP_SHARD
-    return PARTIAL if model.partial_over_tp(name) else REPLICATED
-
-
-class PrepareGradients(nn.Cell):
-    """Unscale, average over the global batch, measure the global norm and clip. A dense gradient is summed over
-    the data-parallel group (a replicated weight's, also over the tensor-parallel group where each rank holds only
-    its share: `PARTIAL`); a routed expert's already holds its EP group's tokens (the all-to-all's backward brought
-    them) and is summed over the expert-data-parallel group, the ranks holding the same experts. All are divided
-    by dp, as the loss is each data-parallel rank's mean. The norm adds the squares of the tensor-parallel slices
-    over the tp group and of the expert shards over the EP group, so it is the norm of the whole model's
-    gradient."""
-
-    def __init__(self, weights: ParameterTuple, kinds: tuple, dp: int, clip: float, comm: "GradientGroups",
-                 counted: tuple | None = None, pp=None, device_target: str = "CPU"):
-        """Under pipeline parallelism `pp` is the pipeline group's transport, whose stages' squares the norm adds,
-        and `counted[i]` says whether weight i counts in the norm (a copy of a weight another stage also holds
-        counts once)."""
-        super().__init__(auto_prefix=False)
-        self.map = ops.HyperMap()
-        self.kinds = kinds
-        counted = counted or (True,) * len(kinds)
-        # which gradients' squares each partial sum adds: those summed over ranks later (the tp slices' over tp,
-        # the expert shards' over EP) apart from the dense ones
-        self.dense_mask, self.tp_mask, self.expert_mask = (
-            Tensor(np.array([float(c and k in of) for k, c in zip(kinds, counted)], np.float32))
-            for of in ((REPLICATED, PARTIAL), (TP_SHARD,), (EXPERT,)))
-        self.square_sums = square_sums_for(device_target)
-        # Sums over ranks call the transports, not the collectives' Cells: nothing here is differentiated, and each
-        # Cell call is a graph of its own to compile per gradient shape (with the loop below, 4 s of small's first
-        # step). Groups of one rank are left out when the graph is traced.
-        self.dense, self.tp, self.edp, self.ep = comm.dp, comm.tp, comm.edp, comm.ep
-        self.summed = any(t.group.size > 1 for t in (comm.dp, comm.tp, comm.edp))
-        self.stages = pp
-        self.dp = dp
-        self.clip = clip
-
-    def construct(self, grads, grad_scale):
-        """-> (the summed gradients, the factor to multiply them by, the global norm, whether it is finite).
-        Sums over ranks are linear, so the unscaling, the division by dp and the clipping are one factor applied
-        to the raw sums, and the norm is the raw sums' norm times the unscaling: three elementwise passes over
-        every gradient fewer than scaling first (on tiny, 90 of 1400 ms a step). The optimizer applies the factor
-        inside its update (on CPU in the same pass)."""
-        reduced = grads
-        if self.summed:
-            reduced = ()
-            for i in range(len(grads)):
-                if self.kinds[i] == EXPERT:
-                    g = self.edp.all_reduce(grads[i])
-                elif self.kinds[i] == PARTIAL:
-                    g = self.tp.all_reduce(self.dense.all_reduce(grads[i]))
-                else:
-                    g = self.dense.all_reduce(grads[i])
-                reduced = reduced + (g,)
-        each = self.square_sums(reduced)          # one kernel on CPU instead of about five per gradient
-        squares = ((each * self.dense_mask).sum() + self.tp.all_reduce((each * self.tp_mask).sum())
-                   + self.ep.all_reduce((each * self.expert_mask).sum()))
-        if self.stages is not None:
-            squares = self.stages.all_reduce(squares)
-        unscale = grad_scale / self.dp
-        norm = ops.sqrt(squares) * unscale
-        finite = ops.isfinite(norm)
-        factor = self.clip / ops.maximum(norm, self.clip) * unscale if self.clip > 0 else unscale
-        return reduced, factor, norm, finite
-
-
-@dataclass
-class GradientGroups:
-    """The transports gradients are reduced on: data-parallel, expert-data-parallel, expert-parallel and
-    tensor-parallel groups."""
-    dp: object
-    edp: object
-    ep: object
-    tp: object
-
-    @classmethod
-    def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
-        groups = ProcessGroups(layout, rank)
-        return cls(*(transport_for(groups.axis(a), device_target) for a in (Axis.DP, Axis.EDP, Axis.EP, Axis.TP)))
-
-
-def is_routed_expert(name: str) -> bool:
-    """A routed expert's weight, or one of its optimizer moments: sharded over the EP group along dim 0."""
-    return ".experts." in f".{name}"
-
-
-def zero_out(p):
-    return ops.assign(p, ops.zeros_like(p))
-
-
-class TrainStep(nn.Cell):
-    """One micro-batch of a step, in ONE graph: forward, backward, and on the last micro-batch the gradient
-    average over micro-batches and ranks, clipping and the optimizer update (skipped on overflow). Earlier
-    micro-batches add their gradients into accumulation buffers. Gradients never leave the graph (handing a
-    graph's output tensors to another graph kept each step's gradients alive in MindSpore 2.9 on CPU: +54 MB per
-    step on tiny), except on dump steps, where they are returned for the tensor dump.
-
-    The learning rate comes in as an input and is assigned inside the graph: `Parameter.set_data` between calls
-    of a graph that updates parameters in place is not seen by that graph (measured: the rate stayed at its
-    first value, and training crawled)."""
-
-    def __init__(self, forward_backward: ForwardBackward, prepare: PrepareGradients, optimizer: nn.Optimizer,
-                 micro_batches: int, replica_sum: SumReplicaGradients | None = None):
-        super().__init__(auto_prefix=False)
-        self.forward_backward = forward_backward
-        self.prepare = prepare
-        self.replica_sum = replica_sum
-        self.optimizer = optimizer
-        self.map = ops.HyperMap()
-        self.accum = optimizer.parameters.clone(prefix="grad_accum", init="zeros") if micro_batches > 1 else None
-
-    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids, scale, grad_scale, lr,
-                  last: bool, return_grads: bool):
-        total, lm, mtp, aux, z, loads, grads = self.forward_backward(input_ids, labels, loss_mask, segment_ids,
-                                                                     position_ids, scale)
-        if self.accum is not None:
-            if not last:
-                self.map(ops.assign_add, self.accum, grads)
-                return total, lm, mtp, aux, z, loads, ops.zeros((), ms.float32), True
-            grads = self.map(ops.add, grads, self.accum)
-            self.map(zero_out, self.accum)
-        if self.replica_sum is not None:
-            grads = self.replica_sum(grads)
-        grads, factor, norm, finite = self.prepare(grads, grad_scale)
-        ops.assign(self.optimizer.learning_rate, lr)
-        # the norm returned after the update: on CPU the kernels' statuses are all the graph would keep them by
-        norm = ops.depend(norm, self.optimizer(grads, factor, finite))
-        if return_grads:
-            return total, lm, mtp, aux, z, loads, norm, finite, self.map(ops.partial(ops.mul, factor), grads)
-        return total, lm, mtp, aux, z, loads, norm, finite
-
-
-class MoveExpertBiases(nn.Cell):
-    """Adds each router's bias step in a graph, for the reason TrainStep takes its learning rate as an input. The
-    steps come as one [routers, E] tensor: a tuple of new tensors each step is taken for constants, and the graph
-    was recompiled every step (once failing to compile at step 6 of a 4-process run)."""
-
-    def __init__(self, biases: list):
-        super().__init__(auto_prefix=False)
-        self.biases = ParameterTuple(biases)
-
-    def construct(self, deltas):
-        for i in range(len(self.biases)):
-            ops.assign_add(self.biases[i], deltas[i])
-        return deltas
-
-
-class OverRanks(nn.Cell):
-    """One collective over every rank (the world group), such as ops.AllReduce(), which sums a tensor."""
-
-    def __init__(self, collective):
-        super().__init__()
-        self.collective = collective
-
-    def construct(self, x):
-        return self.collective(x)
-
-
-class LayerOutputs(nn.Cell):
-    def __init__(self, model: TeleChatMoE):
-        super().__init__(auto_prefix=False)
-        self.model = model
-
-    def construct(self, input_ids, segment_ids, position_ids):
-        return self.model.layer_outputs(input_ids, segment_ids, position_ids)
-
-
-class Evaluate(nn.Cell):
-    def __init__(self, model: TeleChatMoE):
-        super().__init__(auto_prefix=False)
-        self.model = model
-
-    def construct(self, input_ids, labels, loss_mask, segment_ids, position_ids):
-        return self.model(input_ids, labels, loss_mask, segment_ids, position_ids)[1]
-
-
-# ---- loss scaling ---------------------------------------------------------------------------------------
-@dataclass
-class LossScaler:
-    """Static or dynamic loss scale for float16; `scale == 1, dynamic == False` is no scaling."""
-    scale: float = 1.0
-    dynamic: bool = False
-    window: int = 1000
-    good_steps: int = 0
-
-    @classmethod
-    def from_recipe(cls, r: Recipe) -> "LossScaler":
-        setting = r.training.loss_scale
-        if setting == "auto":
-            setting = "dynamic" if r.model.compute_dtype == "float16" else "none"
-        if setting == "none":
-            return cls()
-        if setting == "dynamic":
-            return cls(scale=2.0 ** 16, dynamic=True, window=r.training.loss_scale_window)
-        return cls(scale=float(setting))
-
-    def update(self, finite: bool) -> None:
-        if not self.dynamic:
-            return
-        if not finite:
-            self.scale, self.good_steps = max(1.0, self.scale / 2), 0
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.window:
-            self.scale, self.good_steps = self.scale * 2, 0
-
-
-# ---- the trainer ----------------------------------------------------------------------------------------
-def routed_layers(model: TeleChatMoE) -> tuple[list[int], list]:
-    """(the routers' indices in the order of the model's expert-load output: MoE layers, then MTP; their MoE cells)
-    of the routers this rank builds (a pipeline stage builds some)."""
-    moe = [layer for layer in model.layers if layer.is_moe]
-    built = [(i, layer) for i, layer in enumerate(moe) if not isinstance(layer, AbsentLayer)]
-    built += [(len(moe) + d, block.block) for d, block in enumerate(model.mtp)]
-    return [i for i, _ in built], [layer.mlp for _, layer in built]
-
-
-def gather_along(transport, x: np.ndarray, axis: int) -> np.ndarray:
-    """Every group member's `x` put together along `axis`, in group order (the transports gather along axis 0)."""
-    moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))
-    return np.moveaxis(transport.all_gather(Tensor(moved)).asnumpy(), 0, axis)
-
-
-def release_freed_heap() -> None:
-    """Hand the heap pages freed so far back to the OS (glibc's malloc_trim; nothing where there is none). A graph's
-    compile frees most of what it allocates, but glibc keeps the pages, and the first step's buffers then come on
-    top: trimmed in between, tiny's peak resident set is 1.10 GiB instead of 1.20."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-def position_ids(batch: int, seq: int) -> np.ndarray:
-    return np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
+from telechat_moe.recipe_schema import Recipe
+from telechat_moe.step_dump import StepDumps
+from telechat_moe.train_step import (ForwardBackward, MoveExpertBiases, OverRanks, TrainStep, release_freed_heap,
+                                     routed_layers)
 
 
 class Trainer:
@@ -336,7 +67,7 @@ class Trainer:
             self.data = self._prepare_data()
         info(f"[data] {len(self.data.train)} training samples, "
              f"{len(self.data.held_out) if self.data.held_out else 0} held-out, vocab "
-             f"{self.data.tokenizer.vocab_size} ({tm.seconds:.1f}s)", self.main)
+             f"{self.data.tokenizer.vocab_size} ({tm.seconds:.2f}s)", self.main)
 
         device = recipe.context.device_target
         self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device,
@@ -387,19 +118,15 @@ class Trainer:
         self.migrator = ExpertMigrator(recipe, self.router_rows, mlps, self.optimizer, self.groups.ep, self.ep.index,
                                        self.ep.ranks_per_node, peak_flops) \
             if recipe.expert_placement.interval and mlps else None
-        self.load_imbalance = None      # this step's max/mean EP-rank load per router (dynamic placement)
-        self.expert_seconds = None      # this step's expert kernel seconds per EP rank (dynamic placement)
         self.scaler = LossScaler.from_recipe(recipe)
         self.micro = p.micro_batch_num
-        d = recipe.data
-        cost = CostModel.load(d.attention_cost) if d.attention_cost else None
-        self.loader = BatchLoader(self.data.train, t.global_batch_size, recipe.seed, self.dp_rank, p.data_parallel,
-                                  micro_batch_num=p.micro_batch_num, attention_balance=d.attention_balance,
-                                  cost_model=cost, max_context_loss=d.max_context_loss)
+        self.loader = train_loader(recipe, self.data.train, self.dp_rank)
         self.step = 0
-        self.dumper = self._dump_writer()
+        self.dumper = StepDumps(recipe, rank, self.out, self.model, self.optimizer, self.groups, self._tp_axes,
+                                self.tp.sp, self.ep.ep, self.pipeline, self.plan, self.migrator) \
+            if t.dump_steps else None
         self.profiler = StepProfiler.of(recipe, rank)     # MindSpore's profiler around profile.steps
-        self.timeline = None        # the pipeline's per-step timeline file, opened by _begin
+        self.timeline = None        # the pipeline's per-step timeline file (TimelineLog), opened by _begin
 
         shape = cfg.to_model_shape()
         from parallel.planner.model_shape import flops_per_token
@@ -407,120 +134,36 @@ class Trainer:
         # Opened by fit(), once resume() has passed: a run refused before its first step touches no earlier log.
         self.logger = StepLogger(self.out / "logs", self.main, t.train_steps, t.global_batch_size * cfg.seq_length,
                                  flops_per_token(shape)["training"], peak_flops, world)
+        self.placement = PlacementMonitor(self.migrator, self.router_rows, self.logger, self.out, self.main) \
+            if self.migrator is not None else None
         n_params = sum(w.size for w in self.weights)
         n_experts = sum(w.size for w in self.weights if is_routed_expert(w.name))
         info(f"[model] {n_params:,} trainable parameters on this rank ({n_experts:,} in its routed experts "
              f"{self.ep.experts(cfg.n_routed_experts)}); layout {recipe.layout.describe()}; "
              f"peak {peak_flops / 1e9:.1f} GFLOP/s per device for MFU", self.main)
 
-    # -- tensor dumps (precision/) --
-    def _dump_writer(self):
-        t = self.r.training
-        if not t.dump_steps:
-            return None
-        from precision.dump import DumpWriter, config_hash, layout_meta, parse_steps
-        self.layer_outputs = LayerOutputs(self.model) if self.pipeline is None else None
-        # a pipeline stage holds some layers: the dump puts every stage's tensors together over the pipeline group
-        self.stage_group = transport_for(ProcessGroups(self.r.layout, self.rank).axis(Axis.PP),
-                                         self.r.context.device_target) if self.pipeline is not None else None
-        meta = {"model_config_hash": config_hash(self.r.model.function()), "layout": layout_meta(self.r.layout),
-                "dtype": self.r.model.compute_dtype, "recipe": self.r.name}
-        return DumpWriter(Path(t.dump_dir or self.out / "dump"), meta,
-                          steps=parse_steps(t.dump_steps, "training.dump_steps"), rank=self.rank)
+    # -- data --
+    def _prepare_data(self):
+        data, self.new_tokenizer = prepare_run_data(self.r, self.rank, self.out)
+        return data
 
-    def _forward_places(self) -> list[tuple[str, int | None, str]]:
-        """(name, layer, operator) of the dump's forward tensors (`TeleChatMoE.layer_outputs`), in forward order:
-        the embedding, per layer the stream after attention and after the FFN (MoE or dense), the final norm."""
-        cfg = self.r.model
-        where = [("embed_tokens", None, "embed_tokens")]
-        for i in range(cfg.num_hidden_layers):
-            where += [(f"layers.{i}.self_attn", i, "self_attn"), (f"layers.{i}", i, "moe" if cfg.is_moe_layer(i)
-                                                                                else "mlp")]
-        return where + [("norm", None, "norm")]
+    def _publish_tokenizer(self) -> None:
+        if self.new_tokenizer is not None:
+            publish_tokenizer(self.new_tokenizer, self.out, self.rank)
+            self.new_tokenizer = None
 
-    def _forward_records(self, batch: dict) -> list:
-        """The forward tensors of the global batch, micro-batch by micro-batch as the step computes (a capacity
-        factor drops per micro-batch's tokens), so that a parallel run compares with any layout's."""
-        from parallel.comm.named import all_gather_named
-        from precision.dump import TensorRecord
-        local = batch["input_ids"].shape[0]
-        mb = local // self.micro
-        places = self._forward_places()
-        if self.pipeline is not None:
-            micro = self.pipeline.microbatches(lambda rows: self._tensors(batch, rows), local, self.micro)
-            mine = {}
-            for k, stacked in self.pipeline.layer_outputs(micro).items():
-                first = 0 if k == 0 else 1 + 2 * self.plan.bounds[k][0]     # chunk k's outputs: a run of places
-                mine.update((places[first + j][0], out) for j, out in enumerate(self._global_batch(stacked)))
-            whole = {}
-            for stage in all_gather_named(self.stage_group, mine):
-                whole.update(stage)
-            outs = [whole[name] for name, _, _ in places]
-        else:
-            parts = []
-            for i in range(self.micro):
-                ids, _, _, segments, positions = self._tensors(batch, slice(i * mb, (i + 1) * mb))
-                parts.append(self.layer_outputs(ids, segments, positions))
-            outs = [self._global_batch(ops.concat(pieces, 0).asnumpy()) for pieces in zip(*parts)]
-        return [TensorRecord(name, "forward", out, layer=layer, operator=op, k=self.r.model.hidden_size, dims="bsh")
-                for (name, layer, op), out in zip(places, outs)]
+    def _tensors(self, batch: dict, rows: slice) -> tuple:
+        return batch_tensors(batch, rows)
 
-    def _global_batch(self, out: np.ndarray) -> np.ndarray:
-        """This rank's [..., b, s', h] -> the global batch's [..., dp*b, s, h]: its sequence shards put together
-        over the tensor-parallel group under sequence parallelism, then the data-parallel ranks' rows in order."""
-        if self.tp.sp:
-            out = gather_along(self.groups.tp, out, -2)
-        return gather_along(self.groups.dp, out, -3)
-
-    def _dump(self, step: int, forward: list, values: dict, grads) -> None:
-        from precision.capture import grad_records, optimizer_records
-        from precision.dump import TensorRecord
-        opt = self.optimizer
-        # the one-process model's tensors: the replicas in spare slots are copies of their home experts
-        kept = [i for i, p in enumerate(self.weights) if not outside_checkpoints(p.name)]
-        names = [self.weights[i].name for i in kept]
-        records = forward + [TensorRecord(k, "loss", np.float32(v)) for k, v in values.items() if k.endswith("loss")]
-        # the whole model's tensors: a routed expert's gathered from the EP group, a tensor-parallel slice from the
-        # tp group, a pipeline stage's from the pipeline group, so any layout aligns with any
-        states = {kind: [self._whole(names[j], values[i]) for j, i in enumerate(kept)]
-                  for kind, values in (("grad", grads), ("adam_m", opt.exp_avg), ("adam_v", opt.exp_avg_sq))}
-        if self.migrator is not None:    # experts and router rows in the experts' original order
-            from precision.dump import to_numpy
-            states = {kind: [self.migrator.original_order(n, to_numpy(v)[0]) for n, v in zip(names, values)]
-                      for kind, values in states.items()}
-        if self.pipeline is not None:
-            names, states = self._whole_pipeline(names, states)
-        records += grad_records(names, states["grad"])
-        records += optimizer_records({"adam_m": states["adam_m"], "adam_v": states["adam_v"]}, names)
-        self.dumper.write(step, records)
-
-    def _whole_pipeline(self, names: list[str], states: dict) -> tuple[list[str], dict]:
-        """Every stage's weights and their states on every rank, in the one-process model's order (weights that
-        decay first, each group in forward order: the embedding, the layers, the head and MTP); the embedding's
-        copy on the last stage (MTP's) equals the first stage's and is taken once."""
-        from parallel.comm.named import all_gather_named
-        from precision.capture import layer_of
-        from precision.dump import to_numpy
-        mine = {f"{kind}/{n}": to_numpy(v)[0] for kind, values in states.items() for n, v in zip(names, values)}
-        stages = all_gather_named(self.stage_group, mine)
-        layers, keyed, seen = self.r.model.num_hidden_layers, [], set()
-        for stage, held in enumerate(stages):
-            for i, n in enumerate(key.split("/", 1)[1] for key in held if key.startswith("grad/")):
-                if n not in seen:
-                    seen.add(n)
-                    layer = layer_of(n)
-                    part = layer if layer is not None else -1 if stage == 0 else layers
-                    keyed.append(((held[f"grad/{n}"].ndim < 2, part, i), n, stage))
-        keyed.sort()
-        return [n for _, n, _ in keyed], {kind: [stages[s][f"{kind}/{n}"] for _, n, s in keyed] for kind in states}
-
-    def _whole(self, name: str, tensor):
-        axis = self._tp_axes.get(name)
-        if axis is not None:
-            return gather_along(self.groups.tp, tensor.asnumpy(), axis)
-        if self.ep.ep == 1 or not is_routed_expert(name):
-            return tensor
-        return gather_along(self.groups.ep, tensor.asnumpy(), 0)
+    # -- checkpoints --
+    def _all_params(self) -> list:
+        """What a checkpoint holds: every parameter and optimizer state but the replicas' (rebuilt on resume)."""
+        seen, out = set(), []
+        for p in list(self.model.get_parameters()) + list(self.optimizer.get_parameters()):
+            if p.name not in seen and not outside_checkpoints(p.name):
+                seen.add(p.name)
+                out.append(p)
+        return out
 
     def _shards(self) -> dict:
         """The slices this rank checkpoints: routed experts along dim 0 over the EP group, tensor-parallel weights
@@ -533,46 +176,6 @@ class Trainer:
             elif self.ep.ep > 1 and is_routed_expert(p.name):
                 e = self.r.model.n_routed_experts
                 out[p.name] = Shard(0, self.ep.experts(e)[0], e)
-        return out
-
-    # -- data --
-    def _prepare_data(self):
-        cfg, d = self.r.model, self.r.data
-        existing = tokenizer_in_use(d.tokenizer, self.out)
-        if existing:
-            return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, tokenizer_path=existing,
-                                vocab_size=cfg.vocab_size)
-        # Every rank trains the same deterministic tokenizer in a temporary folder of its own run; _begin() publishes
-        # it into output_dir once the run is known to start.
-        self.new_tokenizer = tempfile.TemporaryDirectory(prefix=f"telechat_tokenizer_rank{self.rank}_")
-        return prepare_data(d.paths, cfg.seq_length, self.r.seed, d.eval_fraction, vocab_size=cfg.vocab_size,
-                            tokenizer_out=str(Path(self.new_tokenizer.name) / "spm"))
-
-    def _publish_tokenizer(self) -> None:
-        """The tokenizer this run trained, into output_dir atomically (every rank publishes the same file)."""
-        if self.new_tokenizer is None:
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        staged = self.out / f".{TOKENIZER_FILE}.rank{self.rank}.{os.getpid()}"
-        shutil.copyfile(Path(self.new_tokenizer.name) / "spm.model", staged)
-        os.replace(staged, self.out / TOKENIZER_FILE)
-        self.new_tokenizer.cleanup()
-        self.new_tokenizer = None
-
-    def _tensors(self, batch: dict, rows: slice) -> tuple:
-        ids = batch["input_ids"][rows]
-        b, s = ids.shape
-        return (Tensor(ids), Tensor(batch["labels"][rows]), Tensor(np.ones((b, s), np.float32)),
-                Tensor(batch["segment_ids"][rows]), Tensor(position_ids(b, s)))
-
-    # -- checkpoints --
-    def _all_params(self) -> list:
-        """What a checkpoint holds: every parameter and optimizer state but the replicas' (rebuilt on resume)."""
-        seen, out = set(), []
-        for p in list(self.model.get_parameters()) + list(self.optimizer.get_parameters()):
-            if p.name not in seen and not outside_checkpoints(p.name):
-                seen.add(p.name)
-                out.append(p)
         return out
 
     def save(self) -> None:
@@ -606,7 +209,7 @@ class Trainer:
     # -- steps --
     def train_step(self, batch: dict) -> tuple[dict, np.ndarray]:
         dumping = self.dumper is not None and self.dumper.wants(self.step + 1)
-        forward = self._forward_records(batch) if dumping else []
+        forward = self.dumper.forward_records(batch) if dumping else []
         local = batch["input_ids"].shape[0]
         mb = local // self.micro
         scale = Tensor(self.scaler.scale, ms.float32)
@@ -619,7 +222,7 @@ class Trainer:
             result = self.pipeline.run(micro, self.scaler.scale, grad_scale, Tensor(lr, ms.float32), dumping)
             sums, loads, norm, finite, grads = (result.loss_parts * self.micro, result.loads, result.norm,
                                                 result.finite, result.grads)
-            self._write_timeline(result.record)
+            self.timeline.write(self.step + 1, result.record)
         else:
             for i in range(self.micro):
                 last = i == self.micro - 1
@@ -638,10 +241,8 @@ class Trainer:
         if self.move_biases is not None:     # every router's step from the global load; this rank's applied
             delta = expert_bias_delta(loads, self.r.model.moe_router_bias_update_rate)[self.router_rows]
             self.move_biases(Tensor(delta.astype(np.float32)))
-        if self.migrator is not None:
-            self.migrator.observe(loads, self.step + 1)
-            self.load_imbalance = self.migrator.imbalance(loads)
-            self.expert_seconds = self.migrator.over_ranks(KERNEL_CLOCK.take())
+        if self.placement is not None:
+            self.placement.observe(loads, self.step + 1, KERNEL_CLOCK.take())
         total, lm, mtp, aux, z = self._mean_over_ranks(sums / self.micro)
         values = {"loss": total, "lm_loss": lm, "mtp_loss": mtp, "aux_loss": aux, "grad_norm": float(norm.asnumpy()),
                   "lr": lr}
@@ -650,9 +251,10 @@ class Trainer:
         if self.scaler.dynamic:
             values["loss_scale"] = self.scaler.scale
         if dumping:
-            self._dump(self.step + 1, forward, values, grads)
+            self.dumper.write(self.step + 1, forward, values, grads)
         if self.loader.attention_balance == "repack":   # share of this batch's tokens repack cut from their context
             values["context_loss"] = self.loader.context_loss
+        values.update(source_shares(self.loader))
         return values, loads
 
     def _mean_over_ranks(self, local: np.ndarray) -> np.ndarray:
@@ -666,56 +268,6 @@ class Trainer:
         total = self.sum_over_ranks(Tensor(np.asarray(local, np.float32))).asnumpy().astype(np.float64)
         return total * self.stages / self.world
 
-    def _migrate(self) -> None:
-        """The experts re-placed after this step's update, before its checkpoint (telechat_moe/expert_placement.py)."""
-        d = self.migrator.decide()
-        self._heatmaps()
-        info(f"[experts] step {self.step}: {d.layers_moved} of {len(self.router_rows)} layers re-placed, "
-             f"{d.experts_moved} experts moved, {d.replicas_made} replicas made ({d.bytes / 2 ** 20:.2f} MiB of "
-             f"weights and Adam moments), forecast "
-             f"max/mean EP-rank load {d.imbalance_before:.3f} -> {d.imbalance_after:.3f}, {d.seconds * 1e3:.0f} ms"
-             + "".join(f"; kept {why}" for why in d.kept), self.main)
-
-    def _placement_scalars(self) -> dict:
-        if self.migrator is None:
-            return {}
-        total, seconds, error = self.migrator.total, self.expert_seconds, self.migrator.predictor.error()
-        out = {"expert_max_mean_load": float(self.load_imbalance.mean()),
-               **{f"expert_max_mean_load_router_{row}": float(x) for row, x in zip(self.router_rows,
-                                                                                    self.load_imbalance)},
-               "experts_moved": float(total.experts_moved),
-               "expert_replicas_made": float(total.replicas_made),
-               "expert_bytes_moved": total.bytes, "expert_migration_s": total.seconds,
-               # the routed experts' kernel time of the slowest EP rank and the mean (every rank waits for the
-               # slowest in the combine); which rank that was
-               "expert_kernel_max_s": float(seconds.max()), "expert_kernel_mean_s": float(seconds.mean()),
-               "expert_kernel_slowest_rank": float(np.argmax(seconds))}
-        if error is not None:       # the last window's forecast against the load that came (relative L1)
-            out["expert_forecast_error"] = error
-        return out
-
-    def _heatmaps(self) -> None:
-        """Each of this rank's routers' expert x step load over the kept window: a PNG (the latest) and a
-        TensorBoard image at this step."""
-        if not self.main:
-            return
-        folder = self.out / "logs" / "expert_load"
-        folder.mkdir(parents=True, exist_ok=True)
-        for r, row in enumerate(self.router_rows):
-            path = self.migrator.window.heatmap_png(folder / f"router_{row}.png", r)
-            self.logger.image(f"expert_load/router_{row}", path, self.step)
-
-    def _traffic_bytes(self) -> dict:
-        """Bytes the step's expert all-to-alls moved across and inside nodes, for the flat and the hierarchical
-        scheme, from every rank's routing (dispatch and combine, forward and backward)."""
-        if self.ep.ep == 1:
-            return {}
-        cfg = self.r.model
-        per_copy = token_bytes(cfg.hidden_size, DTYPE_BYTES[cfg.compute_dtype]) * STEP_MULTIPLIER
-        names = ("ep_inter_node_bytes_flat", "ep_intra_node_bytes_flat", "ep_inter_node_bytes_hierarchical",
-                 "ep_intra_node_bytes_hierarchical")
-        return {name: float(copies) * per_copy for name, copies in zip(names, self.traffic)}
-
     def learning_rate(self, step: int) -> float:
         o, sched = self.r.optimizer, self.r.lr_schedule
         decay = sched.decay_steps or self.r.training.train_steps
@@ -725,25 +277,13 @@ class Trainer:
         held = self.data.held_out
         if held is None or len(held) == 0 or self.r.training.eval_batches == 0:
             return None
-        # The held-out batches of a one-process run; data-parallel rank r evaluates rows [r*B/dp, (r+1)*B/dp) of
-        # each, weighted by its share of the rows (every row holds as many loss tokens), so the ranks' shares add
-        # up to the one-process loss whether or not dp divides B.
-        rows = min(len(held), self.r.training.global_batch_size)
-        dp = self.r.parallel_config.data_parallel
-        if self.ep.ep > 1:      # the expert exchanges are collectives of equal shapes: as many rows on every rank
-            rows -= rows % dp
-        lo, hi = self.dp_rank * rows // dp, (self.dp_rank + 1) * rows // dp
-        loader = BatchLoader(held, rows, self.r.seed)
-        n = min(self.r.training.eval_batches, loader.batches_per_epoch)
-        share = 0.0
-        for i in range(n):
-            if hi > lo and self.pipeline is not None:      # the LM loss on the last stage, 0 elsewhere
-                loss = self.pipeline.evaluate(self._tensors(loader.batch_at(0, i), slice(lo, hi)))[1]
-                share += (hi - lo) / rows * float(loss)
-            elif hi > lo:
-                loss = self._run_graph(self.evaluate, *self._tensors(loader.batch_at(0, i), slice(lo, hi)))
-                share += (hi - lo) / rows * float(loss.asnumpy())
-        return float(self._mean_over_ranks(np.array([share * dp / n]))[0])
+        share = held_out_share(self.r, held, self.dp_rank, self.ep.ep, self._lm_loss)
+        return float(self._mean_over_ranks(np.array([share]))[0])
+
+    def _lm_loss(self, batch: dict, rows: slice) -> float:
+        if self.pipeline is not None:      # the LM loss on the last stage, 0 elsewhere
+            return float(self.pipeline.evaluate(self._tensors(batch, rows))[1])
+        return float(self._run_graph(self.evaluate, *self._tensors(batch, rows)).asnumpy())
 
     def _run_graph(self, graph: nn.Cell, *args):
         """graph(*args), compiled first on its first call with these constants (the bools select a graph), and the
@@ -765,21 +305,7 @@ class Trainer:
             (self.out / "logs" / "recipe.yaml").write_text(yaml.safe_dump(self.r.to_dict(), sort_keys=False))
         self.logger.open(self.step)
         if self.pipeline is not None:
-            path = self.out / "logs" / "pipeline_timeline" / f"rank_{self.rank}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            keep_records_until(path, self.step)
-            self.timeline = open(path, "a", encoding="utf-8")
-
-    def _write_timeline(self, record) -> None:
-        """This stage's step as the executor ran it, one JSON line per step (parallel/pipeline/timeline.py;
-        `python -m scripts.pipeline_timeline` draws a step beside its simulation). With the process's peak resident
-        set so far, beside the activations the schedule held."""
-        from parallel.pipeline.timeline import StageTimeline
-        line = {"step": self.step + 1, "rank": self.rank, "pipeline": min(self.r.layout.group_of(Axis.PP, self.rank)),
-                **StageTimeline.of(self.pipeline.schedule, record).to_json(),
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        self.timeline.write(json.dumps(line) + "\n")
-        self.timeline.flush()
+            self.timeline = TimelineLog(self.out, self.rank, self.r.layout, self.pipeline.schedule, self.step)
 
     def fit(self) -> dict:
         t = self.r.training
@@ -791,21 +317,25 @@ class Trainer:
             return {"step": self.step}
         self._begin()
         batches = self.loader.as_mindspore_dataset(remaining).create_dict_iterator(output_numpy=True, num_epochs=1)
+        samples = SampleLog(self.out, self.rank) if self.r.data.log_samples else None
         try:
             for batch in batches:
                 self.profiler.before(self.step + 1)
                 start = time.perf_counter()
                 values, loads = self.train_step(batch)
                 self.logger.step_time(time.perf_counter() - start)
+                if samples is not None:
+                    samples.write(self.step + 1, self.loader)
                 self.profiler.after(self.step + 1, self.logger.step_times[-1])
                 self.loader.advance(1)
                 self.step += 1
                 done = self.step == t.train_steps
-                if self.migrator is not None and self.migrator.due(self.step):
-                    self._migrate()
+                if self.placement is not None and self.migrator.due(self.step):
+                    self.placement.migrate(self.step)
                 if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
                     last = self.logger.log(self.step, values, loads,
-                                           scalars={**self._traffic_bytes(), **self._placement_scalars()})
+                                           scalars={**traffic_scalars(self.r.model, self.ep.ep, self.traffic),
+                                                    **(self.placement.scalars() if self.placement else {})})
                 if (t.eval_interval and self.step % t.eval_interval == 0) or done:
                     eval_loss = self.held_out_loss()
                     if eval_loss is not None:
@@ -814,6 +344,8 @@ class Trainer:
                     self.save()
         finally:
             self.logger.close()     # also when a step fails: what was logged is on disk
+            if samples is not None:
+                samples.close()
             self.profiler.close()
             if self.timeline is not None:
                 self.timeline.close()
@@ -821,5 +353,5 @@ class Trainer:
         if self.main:
             (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))
             if self.migrator is not None and not self.migrator.due(self.step):   # the last window's load
-                self._heatmaps()
+                self.placement.heatmaps(self.step)
         return summary

@@ -9,7 +9,7 @@ import dataclasses
 from oneline import InputError
 from parallel.layout import ParallelLayout
 from parallel.planner.cluster import Cluster, ClusterError, load_cluster
-from parallel.planner.cost_model import Precision, Workload
+from parallel.planner.workload import Precision, Workload
 
 # The recipe's dtype names: the planner's name for GEMMs in it, and its bytes.
 DTYPES = {"float32": ("fp32", 4), "bfloat16": ("bf16", 2), "float16": ("fp16", 2)}

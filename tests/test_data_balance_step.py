@@ -21,7 +21,7 @@ def step():
 
     from telechat_moe.model import TeleChatMoE
     from telechat_moe.recipe import load_recipe
-    from telechat_moe.trainer import ForwardBackward
+    from telechat_moe.train_step import ForwardBackward
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")

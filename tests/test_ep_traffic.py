@@ -197,7 +197,7 @@ def test_record_routing_matches_the_models_own_expert_load():
     from telechat_moe.model import TeleChatMoE
     from telechat_moe.recipe import load_recipe
     from telechat_moe.routing_trace import moe_layer_indices, record_routing
-    from telechat_moe.trainer import position_ids
+    from telechat_moe.batches import position_ids
     cfg = load_recipe("tiny", ["model.seq_length=32", "model.max_position_embeddings=32",
                                "model.original_max_position_embeddings=32"]).model
     ms.set_seed(0)

@@ -13,7 +13,8 @@ import pytest
 from dvm_fusion.report import fused_kernels, parse_ir
 from precision.tolerance import chain_tolerance, relative_error
 from telechat_moe.context import fusion_environment, graph_kernel_flags
-from telechat_moe.recipe import fusion_on, load_recipe
+from telechat_moe.recipe import load_recipe
+from telechat_moe.recipe_checks import fusion_on
 from tests.helpers import ROOT, assert_one_line_error, run_cli, run_main
 
 # tiny with 2 layers (1 dense, 1 MoE) and short sequences: AKG compiles every fused kernel at the first step

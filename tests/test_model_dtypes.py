@@ -15,7 +15,7 @@ def test_float16_compute_matches_float32():
     import mindspore as ms
     from mindspore import Tensor
     from telechat_moe.model import TeleChatMoE
-    from telechat_moe.trainer import position_ids
+    from telechat_moe.batches import position_ids
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(3)
     cfg32 = load_recipe("tiny", SMALL).model

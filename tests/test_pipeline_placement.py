@@ -13,7 +13,9 @@ from parallel.pipeline.placement import (Placement, PlacementError, PlacementOpt
                                          equal_layer_split, evaluate, planner_units, step_period, step_terms)
 from parallel.pipeline.schedules import ChunkLayout, build, validate
 from parallel.pipeline.simulator import StageCosts, simulate
-from parallel.planner.cost_model import Layouts, StagePlan, block_costs, stage_time
+from parallel.planner.blocks import block_costs
+from parallel.planner.cost_model import StagePlan, stage_time
+from parallel.planner.workload import Layouts
 from precision.tolerance import tolerance
 
 

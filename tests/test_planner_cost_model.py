@@ -8,9 +8,11 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import (FP32, Layouts, Workload, _Costing, block_costs, even_stage, evaluate,
-                                         gradient_comm, in_flight, p2p_time, stage_memory, stage_time, step_time,
-                                         update_time)
+from parallel.planner.blocks import block_costs
+from parallel.planner.cost_model import (evaluate, even_stage, gradient_comm, in_flight, p2p_time, stage_memory,
+                                         stage_time, step_time, update_time)
+from parallel.planner.costing import Costing
+from parallel.planner.workload import FP32, Layouts, Workload
 from parallel.planner.model_shape import training_memory
 from parallel.planner.search import enumerate_layouts
 from parallel.planner.simulate import simulate_layout
@@ -115,7 +117,7 @@ def test_an_uneven_expert_placement_slows_the_moe_layer_by_its_expert_compute():
     for padded in (True, False):
         w = dataclasses.replace(W, padded_exchange=padded)
         even, skewed = (block_costs(dataclasses.replace(w, expert_load=f), lay).moe for f in (1.0, 1.5))
-        c = _Costing(w, lay)
+        c = Costing(w, lay)
         # the most loaded rank's grouped GEMMs: 1.5x the rows of each local expert
         rows = c.Tl * W.shape.top_k / (W.shape.num_routed_experts / c.ep)
         e1 = [c.gemm(r, W.shape.hidden_size, 2 * W.shape.moe_intermediate, W.shape.num_routed_experts / c.ep)[0]
@@ -143,7 +145,7 @@ def test_tensor_parallel_terms_are_priced_where_the_model_issues_them():
     reduce-scatter is)."""
     lay = Layouts.of(ParallelLayout(tp=8, pp=1, dp=32, ep=8, micro_batch_num=4, micro_batch_size=1))
     one = Layouts.of(ParallelLayout(tp=1, pp=1, dp=256, ep=8, micro_batch_num=4, micro_batch_size=1))
-    c, b, h = _Costing(W, lay), block_costs(W, lay), TELECHAT3_105B.hidden_size
+    c, b, h = Costing(W, lay), block_costs(W, lay), TELECHAT3_105B.hidden_size
     T, E = W.seq_length, TELECHAT3_105B.num_routed_experts
     gather = c.all_gather(T * h * W.precision.activation_bytes, c.tp)
     assert b.dense.fwd_comm[0] == pytest.approx(4 * gather[0], rel=1e-12) == b.dense.bwd_comm[0]
@@ -196,8 +198,8 @@ def test_runtime_scales_compute_and_adds_costs_per_step():
 
 def test_processes_sharing_a_hosts_cores_share_its_compute():
     lay = Layouts.of(ParallelLayout(tp=1, pp=1, dp=8, ep=8, micro_batch_num=4, micro_batch_size=1))
-    alone = _Costing(W, lay).flops
-    assert _Costing(_with_runtime(devices_share_cores=True), lay).flops == pytest.approx(
+    alone = Costing(W, lay).flops
+    assert Costing(_with_runtime(devices_share_cores=True), lay).flops == pytest.approx(
         alone / min(W.devices, W.cluster.devices_per_node))
     assert evaluate(_with_runtime(devices_share_cores=True), lay)["step_time"][0] > evaluate(W, lay)["step_time"][0]
 
@@ -224,7 +226,7 @@ def test_precision_states_each_tensor_kind():
     """BF16 weights, FP32 gradients, an FP32 master copy and FP32 moments, each where the memory model puts it: the
     master copy and the moments are optimizer states (sharded over data parallelism); a master copy can be
     absent, and by default there is one exactly where the weights are below fp32."""
-    from parallel.planner.cost_model import Precision
+    from parallel.planner.workload import Precision
 
     lay = Layouts.of(ParallelLayout(tp=2, pp=2, dp=64, ep=8, micro_batch_num=4))
     st = even_stage(W, lay, np.array([0]))
@@ -270,7 +272,7 @@ def test_precision_on_the_command_line(capsys):
 
 def test_all_to_all_latency_grows_with_the_group():
     """One message per peer: in-node peers at the intra-node latency, the others at the inter-node one."""
-    c = _Costing(W, Layouts.of(ParallelLayout(dp=256, micro_batch_num=2)))
+    c = Costing(W, Layouts.of(ParallelLayout(dp=256, micro_batch_num=2)))
     lat = {size: c.all_to_all(0.0, np.array([float(size)]))[0] for size in (2, 8, 16, 64, 256)}
     intra, inter = W.cluster.intra_latency, W.cluster.inter_latency
     assert lat[2] == pytest.approx(intra) and lat[8] == pytest.approx(7 * intra)

@@ -8,7 +8,7 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import Workload
+from parallel.planner.workload import Workload
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import (CHUNKINGS, assess, brute_force, chunk_layout, chunk_plans, even_assignment,
                                        held_profiles, solve_ilp)

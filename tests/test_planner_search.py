@@ -6,7 +6,7 @@ import pytest
 
 from parallel.layout import ParallelLayout
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import Layouts, Workload
+from parallel.planner.workload import Layouts, Workload
 from parallel.planner.refine import balance_and_simulate, refine, schedules_for
 from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
 from parallel.planner.stage_ilp import assess, score_assignment, solve_ilp

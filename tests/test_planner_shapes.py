@@ -9,8 +9,10 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.planner import tp_traffic
 from parallel.planner.cluster import load_cluster
-from parallel.planner.cost_model import (Layouts, Workload, _Costing, block_costs, evaluate, even_stage,
-                                         gradient_comm, stage_memory)
+from parallel.planner.blocks import BlockCosting, block_costs
+from parallel.planner.cost_model import evaluate, even_stage, gradient_comm, stage_memory
+from parallel.planner.costing import Costing
+from parallel.planner.workload import Layouts, Workload
 from parallel.planner.model_shape import (TELECHAT3_36B, ModelShape, block_parameters, flops_per_token,
                                           parameter_breakdown, training_memory)
 from parallel.planner.search import search
@@ -106,7 +108,7 @@ def test_kv_heads_split_over_tp_or_replicated_beyond_them():
     w = Workload(s, ASCEND, devices=64, seq_length=128, global_batch=64)
     lay = Layouts.of(ParallelLayout(tp=8, dp=8, micro_batch_num=1, micro_batch_size=1))
     mem = stage_memory(w, lay, block_costs(w, lay), even_stage(w, lay, np.array([0])))
-    c = _Costing(w, lay)
+    c = Costing(w, lay)
     # the copies' partial gradients: with the norms, all-reduced over tp after the backward
     assert mem["replicated_params"][0] == pytest.approx(3 * (2 * h + 2 * h * d) + h)
     assert gradient_comm(w, lay, mem)["tp"][0] == pytest.approx(
@@ -120,7 +122,7 @@ def test_gqa_tp_collectives_are_a_dense_layers_and_kv_gemms_follow_the_heads():
     w = Workload(s, ASCEND, devices=64, seq_length=128, global_batch=64)
     for tp in (2, 8):
         lay = Layouts.of(ParallelLayout(tp=tp, dp=64 // tp, micro_batch_num=1, micro_batch_size=1))
-        c = _Costing(w, lay)
+        c = BlockCosting(w, lay)
         want = sum(c.all_gather(x.payload(c.tp, 2), c.tp) for x in tp_traffic.dense_layer(*c.sp_args())
                    if x.direction == "forward")
         assert block_costs(w, lay).dense.fwd_comm[0] == pytest.approx(want[0])

@@ -6,7 +6,8 @@ import pytest
 from parallel.layout import Axis
 from parallel.planner.model_shape import parameter_breakdown
 from telechat_moe.errors import RecipeError
-from telechat_moe.recipe import check_trainable, find_recipe, launched_processes, load_recipe
+from telechat_moe.recipe import find_recipe, load_recipe
+from telechat_moe.recipe_checks import check_trainable, launched_processes
 from tests.helpers import assert_one_line_error, run_cli, run_main
 
 ALL = ["tiny", "small", "105b", "370b", "1t"]
@@ -113,7 +114,8 @@ MALFORMED_SETS = [
     (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "num_hidden_layers"),
     (["model.seq_length=1024"], "model.seq_length", "max_position_embeddings"),
     (["optimizer.betas=[0.9]"], "optimizer.betas", "two numbers"),
-    (["data.paths=notalist"], "data.paths", "list"),
+    (["data.paths=0.3 a.bin 0.7"], "data.paths", "weight/path pairs"),
+    (["data.paths={a: 1}"], "data.paths", "list of paths"),
     (["training.loss_scale=huge"], "training.loss_scale", "dynamic"),
 ]
 

@@ -25,9 +25,9 @@ import pytest
 from parallel.comm import ProcessGroups
 from parallel.layout import Axis
 from parallel.planner.model_shape import stage_parameters
-from telechat_moe.parallel_report import (INSIDE_REGIONS, model_volumes, parallel_report, planner_volumes,
-                                          recipe_report)
+from telechat_moe.parallel_report import INSIDE_REGIONS, parallel_report
 from telechat_moe.recipe import load_recipe
+from telechat_moe.show_parallel import model_volumes, planner_volumes, recipe_report
 from tests.helpers import assert_one_line_error, run_main
 
 SMALL = ["model.seq_length=16", "model.max_position_embeddings=16", "model.original_max_position_embeddings=16",
@@ -83,7 +83,8 @@ def built_and_run(recipe):
     from parallel.tp.mappings import TensorParallel
     from telechat_moe.model import TeleChatMoE
     from telechat_moe.moe.dispatch import ExpertParallel
-    from telechat_moe.trainer import GradientGroups, PrepareGradients, gradient_kind, position_ids
+    from telechat_moe.batches import position_ids
+    from telechat_moe.gradients import GradientGroups, PrepareGradients, gradient_kind
     from tests.recording_transport import transport, transports
 
     lay, cfg = recipe.layout, recipe.model
@@ -142,7 +143,7 @@ def as_recorded(report, direction):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_report_is_what_a_rank_builds_and_issues(case, pynative):
     from telechat_moe.model import INSIDE_REGIONS as MODEL_INSIDE_REGIONS
-    from telechat_moe.trainer import EXPERT, PARTIAL
+    from telechat_moe.gradients import EXPERT, PARTIAL
     name, sets = CASES[case]
     recipe = load_recipe(name, sets)
     lay = recipe.layout

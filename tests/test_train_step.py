@@ -84,7 +84,7 @@ def test_gradient_accumulation_equals_one_big_micro_batch(trainer, tmp_path, mon
 
 
 def test_dynamic_loss_scale_backs_off_and_grows():
-    from telechat_moe.trainer import LossScaler
+    from telechat_moe.gradients import LossScaler
     s = LossScaler(scale=1024.0, dynamic=True, window=3)
     s.update(False)
     assert s.scale == 512.0
@@ -163,7 +163,7 @@ def _worst_gradient_error(trainer, model) -> float:
     import mindspore as ms
     from mindspore import Tensor
     from precision.tolerance import relative_error
-    from telechat_moe.trainer import ForwardBackward
+    from telechat_moe.train_step import ForwardBackward
     ms.load_param_into_net(model, {p.name: p for p in trainer.model.get_parameters()}, strict_load=True)
     weights = ms.ParameterTuple([model.parameters_dict()[p.name] for p in trainer.weights])
     args = (*trainer._tensors(trainer.loader.batch_at(0, 3), slice(None)), Tensor(1.0, ms.float32))

@@ -19,7 +19,9 @@ import platform
 import numpy as np
 
 from parallel.planner.cluster import GIB, Cluster, Runtime
-from parallel.planner.cost_model import Layouts, Workload, block_costs, even_stage, evaluate, stage_memory
+from parallel.planner.blocks import block_costs
+from parallel.planner.cost_model import evaluate, even_stage, stage_memory
+from parallel.planner.workload import Layouts, Workload
 
 TIME_CONSTANTS = ("compute_scale", "expert_compute_scale", "update_scale", "accumulate_scale", "step_overhead")
 MEMORY_CONSTANTS = ("activation_outputs", "recompute_outputs", "weight_outputs", "graph_memory",

@@ -9,7 +9,7 @@ import numpy as np
 
 from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.pipeline.schedules import dualpipe_v_unfit
-from parallel.planner.cost_model import Workload
+from parallel.planner.workload import Workload
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import StageAssignment, schedule_name, score_assignment, solve_ilp

@@ -9,7 +9,7 @@ import numpy as np
 import yaml
 
 from parallel.layout import ParallelLayout
-from parallel.planner.cost_model import Workload
+from parallel.planner.workload import Workload
 from parallel.planner.refine import Candidate
 from parallel.planner.search import SearchResult
 

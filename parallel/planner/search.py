@@ -17,7 +17,8 @@ import numpy as np
 from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, experts_split, fills_world,
                              global_batch_splits, heads_split, interleave_fills_stages, interleave_has_stages,
                              kv_heads_split, layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
-from parallel.planner.cost_model import Layouts, Workload, evaluate
+from parallel.planner.cost_model import evaluate
+from parallel.planner.workload import Layouts, Workload
 
 
 @dataclass(frozen=True)

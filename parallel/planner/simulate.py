@@ -15,8 +15,9 @@ import numpy as np
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import ChunkLayout, build
 from parallel.pipeline.simulator import SimResult, StageCosts, simulate
-from parallel.planner.cost_model import (Layouts, Workload, block_costs, p2p_time, stage_memory, stage_parts,
-                                         summarise, update_time)
+from parallel.planner.blocks import block_costs
+from parallel.planner.cost_model import p2p_time, stage_memory, stage_parts, summarise, update_time
+from parallel.planner.workload import Layouts, Workload
 from parallel.planner.stage_ilp import StageAssignment, chunk_layout, chunk_plans, even_assignment, schedule_name
 
 

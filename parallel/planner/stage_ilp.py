@@ -41,8 +41,9 @@ from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.pipeline.placement import (PlacementError, PlacementOptions, balance, planner_units, step_period,
                                          step_terms)
 from parallel.pipeline.schedules import ChunkLayout, Kind, build
-from parallel.planner.cost_model import (Layouts, StagePlan, Workload, block_costs, p2p_time, stage_memory,
-                                         stage_parts, summarise, update_time)
+from parallel.planner.blocks import block_costs
+from parallel.planner.cost_model import StagePlan, p2p_time, stage_memory, stage_parts, summarise, update_time
+from parallel.planner.workload import Layouts, Workload
 from parallel.planner.model_shape import even_layer_split
 
 MODES = len(RECOMPUTE)

@@ -1,6 +1,6 @@
 """The tensor-parallel collectives of one micro-batch, piece by piece, as parallel/tp's layers and mappings issue
 them in a Megatron-Core style MLA + MoE decoder: the one list that the planner's cost model prices
-(`cost_model._Costing.tp_time`) and that telechat_moe/parallel_report.py lists per module (tests/test_show_parallel.py
+(`costing.Costing.tp_time`) and that telechat_moe/parallel_report.py lists per module (tests/test_show_parallel.py
 checks those against a model built with recording transports, and the planner's volumes against the report's).
 
 Each function returns the `TPCollective`s of one piece over a tp group of `t` ranks, for a micro-batch of `b`
