@@ -28,10 +28,10 @@ from oneline import InputError
 from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.planner.blocks import block_costs
 from parallel.planner.cost_model import StagePlan, p2p_time, stage_memory, stage_parts
-from parallel.planner.workload import Layouts, Workload
 from parallel.pipeline.placement_milp import StageProgram
 from parallel.pipeline.schedules import ChunkLayout
 from parallel.pipeline.simulator import StageCosts
+from parallel.planner.workload import Layouts, Workload
 
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
 
