@@ -200,3 +200,20 @@ def test_a_position_resumed_with_another_data_parallel_continues_the_same_global
     for _ in range(3):
         whole, parts = next(one), [next(h) for h in halves]
         assert np.array_equal(np.concatenate([p["input_ids"] for p in parts]), whole["input_ids"])
+
+
+def _open_and_read(args):
+    path, cache = args
+    train = indexed_samples.open_indexed_samples(path, 16, 0, 0.1, EOD, 50, cache)["train"]
+    return train.take(train.ids_at(0, 0, 0, 32)).tolist()
+
+
+def test_ranks_building_the_same_indexes_at_once_publish_one_complete_set(tmp_path):
+    """No rank waits for another: each builds what it finds missing and renames it into place."""
+    import multiprocessing as mp
+    path, cache = _corpus(tmp_path / "ds", docs=3000), str(tmp_path / "cache")
+    with mp.get_context("fork").Pool(4) as pool:
+        seen = pool.map(_open_and_read, [(path, cache)] * 4)
+    assert all(s == seen[0] for s in seen)
+    assert _open_and_read((path, cache)) == seen[0]
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name]
