@@ -28,10 +28,10 @@ from oneline import InputError
 from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.planner.blocks import block_costs
 from parallel.planner.cost_model import StagePlan, p2p_time, stage_memory, stage_parts
-from parallel.planner.workload import Layouts, Workload
 from parallel.pipeline.placement_milp import StageProgram
 from parallel.pipeline.schedules import ChunkLayout
 from parallel.pipeline.simulator import StageCosts
+from parallel.planner.workload import Layouts, Workload
 
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
 
@@ -270,6 +270,14 @@ def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
     return out
 
 
+def _capped(bound: np.ndarray, target: int, value: float) -> np.ndarray:
+    """`bound` with `target` at most `value`, widened by HiGHS' feasibility tolerance (1e-7): the value comes from a
+    solution that may miss a row by that much, and the next pass must keep it feasible."""
+    out = bound.copy()
+    out[target] = value + 1e-7 * (1 + abs(value))
+    return out
+
+
 def balance(units, stages: int, chunks: int, options: PlacementOptions = PlacementOptions(),
             in_flight=None, node_limit: int | None = None, tie_break_nodes: int = 500, gap: float | None = None,
             tie_breaks: bool = True, prove: bool = True) -> Placement:
@@ -325,13 +333,6 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         cost[target] = sign
         return solve(cost, Bounds(np.zeros(prog.nv), bound), limits, prove)
 
-    def capped(bound: np.ndarray, target: int, value: float) -> np.ndarray:
-        """`bound` with `target` at most `value`, widened by HiGHS' feasibility tolerance (1e-7): the value comes
-        from a solution that may miss a row by that much, and the next pass must keep it feasible."""
-        out = bound.copy()
-        out[target] = value + 1e-7 * (1 + abs(value))
-        return out
-
     def reached(target: int, x: np.ndarray) -> float:
         """The slowest chunk's (`largest`) or stage's (`z`) time of the solution with its integers rounded, at least
         the solver's value: the solver meets rows and integrality only to its tolerances, and a cap below what the
@@ -351,15 +352,15 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         # 1F1B runs the chunks of different stages side by side, so its steady state waits on the slowest chunk
         # anywhere (simulated, p=16, v=2, m=64, every stage F=1, B=2: step 214.5 with its chunks split 1:1, 301.8
         # at 1:4, the same period).
-        bound = capped(bound, prog.goal, res.x[prog.goal])
+        bound = _capped(bound, prog.goal, res.x[prog.goal])
         res = minimise(prog.largest, bound, proven, prove)
-        bound = capped(bound, prog.largest, reached(prog.largest, res.x))
+        bound = _capped(bound, prog.largest, reached(prog.largest, res.x))
         res = minimise(prog.z, bound, proven, prove)
     # last pass, a tie-break: among the placements with that period, slowest chunk and slowest stage, raise the
     # fastest stage, so that the other stages do not keep whatever uneven split the first passes returned. Its best
     # within a node budget will do.
     if tie_breaks:
-        res = minimise(prog.floor, capped(bound, prog.z, reached(prog.z, res.x)), {"node_limit": tie_break_nodes},
+        res = minimise(prog.floor, _capped(bound, prog.z, reached(prog.z, res.x)), {"node_limit": tie_break_nodes},
                        prove=False, sign=-1.0)
     x = np.round(res.x)
     cuts = prog.cuts(x)

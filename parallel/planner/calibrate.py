@@ -18,8 +18,8 @@ import platform
 
 import numpy as np
 
-from parallel.planner.cluster import GIB, Cluster, Runtime
 from parallel.planner.blocks import block_costs
+from parallel.planner.cluster import GIB, Cluster, Runtime
 from parallel.planner.cost_model import evaluate, even_stage, stage_memory
 from parallel.planner.workload import Layouts, Workload
 
