@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     from telechat_moe.recipe_checks import check_trainable, launched_processes
     try:
         recipe = load_recipe(args.recipe, args.set)
-        from telechat_moe.dry_run import fit_problem, report, show_parallel
+        from telechat_moe.dry_run import fit_problem, report
+        from telechat_moe.show_parallel import show_parallel
         if args.dry_run:
             print(report(recipe))
             if args.show_parallel:

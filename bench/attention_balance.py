@@ -47,8 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 from oneline import OneLineParser  # noqa: E402
-from data_sched.attention_balance import (DocLengths, _lpt, balance_global_batch,  # noqa: E402
-                                         balanced_partition, lower_bounds)
+from data_sched.attention_balance import balance_global_batch, lower_bounds  # noqa: E402
+from data_sched.doc_lengths import DocLengths  # noqa: E402
+from data_sched.partition import _lpt, balanced_partition  # noqa: E402
 from data_sched.attention_cost import CostModel  # noqa: E402
 from data_sched.errors import DataError  # noqa: E402
 from data_sched.loader import ATTENTION_ONLY  # noqa: E402

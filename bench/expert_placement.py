@@ -49,8 +49,9 @@ import numpy as np
 
 from bench.ep_traffic import gumbel_topk
 from oneline import OneLineParser
-from parallel.ep.placement import (LoadPredictor, LoadWindow, MoveCost, Placement, expert_flops_per_token,
-                                   greedy_placement, load_bound, plan_migration, plan_placement)
+from parallel.ep.load import LoadPredictor, LoadWindow
+from parallel.ep.migration_plan import MoveCost, plan_migration
+from parallel.ep.placement import Placement, expert_flops_per_token, greedy_placement, load_bound, plan_placement
 from parallel.planner.cluster import load_cluster
 
 os.environ.setdefault("GLOG_v", "3")      # MindSpore (the tiny trace): errors only

@@ -66,11 +66,11 @@ import numpy as np
 
 from parallel.layout import ParallelLayout, interleave_fills_stages, interleave_has_stages, layers_fill_chunks
 from parallel.planner.cluster import load_cluster
-from parallel.planner.workload import Precision, Workload
 from parallel.planner.model_shape import DEEPSEEK_V3, LLAMA3_405B, TELECHAT3_36B, flops_per_token
 from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import solve_ilp
+from parallel.planner.workload import Precision, Workload
 
 MIXED = Precision(matmul_dtype="bf16", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=8)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_sched.attention_balance import DocLengths
+from data_sched.doc_lengths import DocLengths
 from data_sched.errors import DataError
 from data_sched.index_cache import cache_key, cached_arrays
 from data_sched.indexed_samples import IndexedSamples

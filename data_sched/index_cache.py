@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Callable
 
@@ -52,7 +53,8 @@ def cache_folder(cache_dir: str, data_path: str) -> Path:
 
 
 def _save_atomically(path: Path, write: Callable[[str], None]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
+    # the host too: ranks of two nodes building into one shared folder may have the same process id
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
         write(tmp)
         os.replace(tmp, path)

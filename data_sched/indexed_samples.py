@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_sched.attention_balance import DocLengths
+from data_sched.doc_lengths import DocLengths
 from data_sched.errors import DataError
 from data_sched.index_cache import cache_folder, cache_key, cached_arrays, file_identity
 from data_sched.indexed_dataset import IndexedDataset, open_indexed_dataset, scan_tokens

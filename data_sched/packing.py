@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data_sched.attention_balance import DocLengths
+from data_sched.doc_lengths import DocLengths
 from data_sched.errors import DataError
 
 

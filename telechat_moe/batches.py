@@ -1,7 +1,9 @@
 """The run's data: its corpus and tokenizer prepared (data_sched/prepare.py), the loader of this rank's share of
-every global batch (data_sched/loader.py), and a batch's rows as the model's input tensors."""
+every global batch (data_sched/loader.py), what the step log says about the data, and a batch's rows as the model's
+input tensors."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -25,10 +27,10 @@ def prepare_run_data(recipe: Recipe, rank: int, out: Path):
     existing = tokenizer_in_use(d.tokenizer, out)
     if existing:
         return prepare_data(d.paths, cfg.seq_length, recipe.seed, d.eval_fraction, tokenizer_path=existing,
-                            vocab_size=cfg.vocab_size), None
+                            vocab_size=cfg.vocab_size, cache_dir=d.cache_dir), None
     staged = tempfile.TemporaryDirectory(prefix=f"telechat_tokenizer_rank{rank}_")
     return prepare_data(d.paths, cfg.seq_length, recipe.seed, d.eval_fraction, vocab_size=cfg.vocab_size,
-                        tokenizer_out=str(Path(staged.name) / "spm")), staged
+                        tokenizer_out=str(Path(staged.name) / "spm"), cache_dir=d.cache_dir), staged
 
 
 def publish_tokenizer(staged: tempfile.TemporaryDirectory, out: Path, rank: int) -> None:
@@ -47,6 +49,34 @@ def train_loader(recipe: Recipe, samples, dp_rank: int) -> BatchLoader:
     return BatchLoader(samples, recipe.training.global_batch_size, recipe.seed, dp_rank, p.data_parallel,
                        micro_batch_num=p.micro_batch_num, attention_balance=d.attention_balance,
                        cost_model=cost, max_context_loss=d.max_context_loss)
+
+
+def source_shares(loader: BatchLoader) -> dict[str, float]:
+    """share/<source>: each source's share of the global batch being trained, for the step log (blends only)."""
+    if len(loader.samples.source_names) < 2:
+        return {}
+    return {f"share/{name}": v for name, v in loader.source_shares(loader.epoch, loader.index).items()}
+
+
+class SampleLog:
+    """data.log_samples: the ids of the samples this rank read at each step, one JSON line a step, appended to
+    logs/samples_rank<r>.jsonl (a resumed run continues the file)."""
+
+    def __init__(self, out: Path, rank: int):
+        self.path = out / "logs" / f"samples_rank{rank}.jsonl"
+        self.file = None
+
+    def write(self, step: int, loader: BatchLoader) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a")
+        ids = loader.samples_read(loader.epoch, loader.index)
+        self.file.write(json.dumps({"step": step, "samples": [int(i) for i in ids]}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def position_ids(batch: int, seq: int) -> np.ndarray:

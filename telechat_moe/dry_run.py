@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from parallel.ep.capacity import routed_copies, sent_rows
 from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
+from telechat_moe.parallel_report import group_sizes
 from telechat_moe.recipe_schema import Recipe
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,7 +53,6 @@ def report(r: Recipe) -> str:
 
 def exchange_line(r: Recipe) -> str:
     """The rows the expert exchange sends against the routed copies they carry (parallel/ep/capacity.py)."""
-    from telechat_moe.parallel_report import group_sizes
     m, lay = r.model, r.layout
     k, E, cf = m.num_experts_per_tok, m.n_routed_experts, m.moe_expert_capacity_factor
     tokens = r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // lay.tp \
@@ -65,23 +65,6 @@ def exchange_line(r: Recipe) -> str:
     where = " (in-node exchange; each token crosses once to each node holding its experts)" if hierarchical else ""
     return (f"expert exchange ({m.moe_token_dispatcher_type}, {how}){where}: {rows:,} rows sent per rank, MoE layer "
             f"and token slice for {copies:,} routed copies ({rows / copies:.1f}x)")
-
-
-def show_parallel(r: Recipe) -> str:
-    """`--dry-run --show-parallel`: per weight how one rank of the layout holds it, the collectives a step issues
-    with their bytes (telechat_moe/parallel_report.py), and the planner's communication for the same layout."""
-    from telechat_moe.parallel_report import format_planner_comparison, format_report, recipe_report
-    mem = static_memory(r)
-    rep = recipe_report(r, mem["stage"])
-    planned = stage_parameters(r.model.to_model_shape(), r.layout)[mem["stage"]]
-    planned = planned["dense"] + planned["expert"]
-    same = "equal" if planned == rep.parameters else f"differs by {rep.parameters - planned:+,.0f}"
-    lines = [format_report(rep),
-             f"the dry run's parameters per device (stage {mem['stage']}): {planned:,.0f} ({same})"]
-    comparison = format_planner_comparison(rep, r.model, r.recompute_config.mode)
-    if comparison:
-        lines.append(comparison)
-    return "\n".join(lines)
 
 
 def fit_problem(r: Recipe, machine_bytes: float, has_ascend: bool) -> str | None:

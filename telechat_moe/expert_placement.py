@@ -2,7 +2,7 @@
 
 Every step the global router load of this rank's MoE layers goes into a `LoadWindow` (by the experts' original
 ids); each completed window feeds the `LoadPredictor`. Every `interval` steps, after the optimizer update and
-before the checkpoint, each layer gets a `plan_migration` (parallel/ep/placement.py: one copy per expert, the
+before the checkpoint, each layer gets a `plan_migration` (parallel/ep/migration_plan.py: one copy per expert, the
 slots of the EP ranks fixed, the moves priced over this machine's links with the cluster file, the expert time per
 token from the model's FLOPs and the peak FLOP/s) on the forecast (before the first window: the load so far); an
 accepted plan is applied by `parallel/ep/migrate.py` as a relabelling: the experts' weights and both Adam moments
@@ -30,8 +30,9 @@ import numpy as np
 from mindspore import ParameterTuple, Tensor, nn, ops
 
 from parallel.ep.migrate import homes, moved_rows, permute_replicated, permuted_whole, relabelling
-from parallel.ep.placement import LoadPredictor, LoadWindow, MoveCost, Placement, expert_flops_per_token, \
-    plan_migration
+from parallel.ep.load import LoadPredictor, LoadWindow
+from parallel.ep.migration_plan import MoveCost, plan_migration
+from parallel.ep.placement import Placement, expert_flops_per_token
 from telechat_moe.moe.replicas import slot_tables
 
 

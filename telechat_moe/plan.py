@@ -23,7 +23,6 @@ import yaml
 from oneline import InputError, OneLineParser
 from parallel.layout import EP_SCHEMES, RECOMPUTE, LayoutError, ParallelLayout, check_model_fit, global_batch_splits
 from parallel.planner.cost_model import evaluate
-from parallel.planner.workload import Layouts, Workload
 from parallel.planner.model_shape import NAMED_SHAPES
 from parallel.planner.refine import Candidate, devices_that_fit, nearest_device_counts, refine
 from parallel.pipeline.mindformers_export import export
@@ -34,6 +33,7 @@ from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import (chunk_layout, even_assignment, held_profiles, schedule_name, score_assignment,
                                        solve_ilp)
+from parallel.planner.workload import Layouts, Workload
 from telechat_moe.recipe import RecipeError, find_recipe, load_recipe
 from telechat_moe.recipe_checks import layout_error_text
 from telechat_moe.workload import memory_limit, recipe_ep_scheme, recipe_layout, recipe_workload

@@ -153,14 +153,15 @@ def _validate_data(r: Recipe) -> None:
     m = r.model
     d = r.data
     from data_sched.attention_balance import check_balance_mode, check_context_loss
+    from data_sched.blend import parse_paths
     from data_sched.errors import DataError
     try:
         check_balance_mode(d.attention_balance)
         check_context_loss(d.max_context_loss)
+        parse_paths(d.paths)
     except DataError as e:
         raise RecipeError(str(e)) from None
     require(0 <= d.eval_fraction < 0.5, f"data.eval_fraction: expected in [0, 0.5), got {d.eval_fraction}")
-    require(all(isinstance(x, str) for x in d.paths), f"data.paths: expected a list of file paths, got {d.paths!r}")
     require(r.context.device_target in ("CPU", "Ascend"),
              f"context.device_target: expected CPU or Ascend, got {r.context.device_target!r}")
     require(r.context.mode in (0, 1), f"context.mode: expected 0 (graph) or 1 (pynative), got {r.context.mode}")

@@ -87,12 +87,16 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    paths: list = field(default_factory=list)   # JSONL ({"text": ...} per line) or .txt; empty: embedded corpus
+    # JSONL ({"text": ...} per line) or .txt; empty: embedded corpus. Or indexed datasets (.bin/.idx), weighted:
+    # "0.3 a.bin 0.7 b.bin" or a list of {path, weight} (docs/data.md)
+    paths: list | str = field(default_factory=list)
     tokenizer: str = ""                          # a sentencepiece .model; empty: train one on the corpus
     eval_fraction: float = 0.02
     attention_balance: str = "off"               # off | reorder | repack
     attention_cost: str = ""                     # calibration file of the attention cost model
     max_context_loss: float = 1.0                # repack: most share of a batch's tokens its cuts may cut off
+    cache_dir: str = ""                          # indexed datasets' packing/shuffle indexes; empty: beside the data
+    log_samples: bool = False                    # each rank logs the sample ids it read per step (logs/samples_*)
 
 
 @dataclass

@@ -24,7 +24,8 @@ from mindspore import Tensor, nn, ops
 from dvm_fusion.grouped_matmul import KERNEL_CLOCK
 from parallel.layout import Axis
 from parallel.tp.mappings import TensorParallel
-from telechat_moe.batches import batch_tensors, prepare_run_data, publish_tokenizer, train_loader
+from telechat_moe.batches import (SampleLog, batch_tensors, prepare_run_data, publish_tokenizer, source_shares,
+                                  train_loader)
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
 from telechat_moe.evaluation import Evaluate, held_out_share
@@ -66,7 +67,7 @@ class Trainer:
             self.data = self._prepare_data()
         info(f"[data] {len(self.data.train)} training samples, "
              f"{len(self.data.held_out) if self.data.held_out else 0} held-out, vocab "
-             f"{self.data.tokenizer.vocab_size} ({tm.seconds:.1f}s)", self.main)
+             f"{self.data.tokenizer.vocab_size} ({tm.seconds:.2f}s)", self.main)
 
         device = recipe.context.device_target
         self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device,
@@ -253,6 +254,7 @@ class Trainer:
             self.dumper.write(self.step + 1, forward, values, grads)
         if self.loader.attention_balance == "repack":   # share of this batch's tokens repack cut from their context
             values["context_loss"] = self.loader.context_loss
+        values.update(source_shares(self.loader))
         return values, loads
 
     def _mean_over_ranks(self, local: np.ndarray) -> np.ndarray:
@@ -315,12 +317,15 @@ class Trainer:
             return {"step": self.step}
         self._begin()
         batches = self.loader.as_mindspore_dataset(remaining).create_dict_iterator(output_numpy=True, num_epochs=1)
+        samples = SampleLog(self.out, self.rank) if self.r.data.log_samples else None
         try:
             for batch in batches:
                 self.profiler.before(self.step + 1)
                 start = time.perf_counter()
                 values, loads = self.train_step(batch)
                 self.logger.step_time(time.perf_counter() - start)
+                if samples is not None:
+                    samples.write(self.step + 1, self.loader)
                 self.profiler.after(self.step + 1, self.logger.step_times[-1])
                 self.loader.advance(1)
                 self.step += 1
@@ -340,6 +345,8 @@ class Trainer:
                     self.save()
         finally:
             self.logger.close()     # also when a step fails: what was logged is on disk
+            if samples is not None:
+                samples.close()
             self.profiler.close()
             if self.timeline is not None:
                 self.timeline.close()

@@ -52,7 +52,8 @@ def one_process_tiny(tmp_path_factory):
     with FileLock(str(shared / "one_process.lock")):
         if not done.exists():
             proc = run_cli("run_train.py", "--recipe", "tiny",
-                           *sets(*SHORT, *PARALLEL_COMMON, "training.dump_steps=1-4", f"output_dir={out}"))
+                           *sets(*SHORT, *PARALLEL_COMMON, "training.dump_steps=1-4", "data.log_samples=true",
+                                 f"output_dir={out}"))
             assert proc.returncode == 0, proc.stderr[-3000:]
             done.touch()
     return out

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from data_sched.attention_balance import (DocLengths, balance_global_batch, balanced_partition, lower_bounds,
-                                          partition_bound, repack_bound, _cut, _lpt, _offsets, _Source,
-                                          _sort_by_length, _sort_by_length_radix, _stratified)
+from data_sched.attention_balance import balance_global_batch, lower_bounds
+from data_sched.doc_lengths import DocLengths, _offsets
+from data_sched.partition import _lpt, balanced_partition, partition_bound
+from data_sched.repack import _cut, _Source, _sort_by_length, _sort_by_length_radix, _stratified, repack_bound
 from data_sched.attention_cost import CostModel, fit_attention_cost
 from data_sched.errors import DataError
 from data_sched.loader import BatchLoader

@@ -186,3 +186,34 @@ def test_prepare_data_blends_indexed_paths_and_points_text_weights_to_preprocess
     (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
     with pytest.raises(DataError, match="scripts.preprocess_data"):
         prepare_data([1, str(tmp_path / "c.jsonl")], 16, 0, 0.05, tokenizer_path=model)
+
+
+def test_a_position_resumed_with_another_data_parallel_continues_the_same_global_batches(tmp_path):
+    a, b = _two_sources(tmp_path)
+    mixed = blend([a, b], [0.3, 0.7])
+    one = BatchLoader(mixed, 8, seed=2)
+    one.advance(len(mixed) // 8 + 5)                 # into the second epoch
+    state = one.state_dict()
+    halves = [BatchLoader(mixed, 8, seed=2, dp_rank=r, dp_size=2) for r in range(2)]
+    for loader in halves:
+        loader.load_state_dict(state)
+    for _ in range(3):
+        whole, parts = next(one), [next(h) for h in halves]
+        assert np.array_equal(np.concatenate([p["input_ids"] for p in parts]), whole["input_ids"])
+
+
+def _open_and_read(args):
+    path, cache = args
+    train = indexed_samples.open_indexed_samples(path, 16, 0, 0.1, EOD, 50, cache)["train"]
+    return train.take(train.ids_at(0, 0, 0, 32)).tolist()
+
+
+def test_ranks_building_the_same_indexes_at_once_publish_one_complete_set(tmp_path):
+    """No rank waits for another: each builds what it finds missing and renames it into place."""
+    import multiprocessing as mp
+    path, cache = _corpus(tmp_path / "ds", docs=3000), str(tmp_path / "cache")
+    with mp.get_context("fork").Pool(4) as pool:
+        seen = pool.map(_open_and_read, [(path, cache)] * 4)
+    assert all(s == seen[0] for s in seen)
+    assert _open_and_read((path, cache)) == seen[0]
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name]

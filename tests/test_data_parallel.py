@@ -1,6 +1,6 @@
 """Data parallelism across real processes: DP=2 under msrun equals one process (weights, Adam moments, logged losses,
-held-out loss, tensor dumps through precision.compare). Its own module, so that the suite's two workers can run it
-beside test_training's long one-process runs."""
+held-out loss, tensor dumps through precision.compare, the samples each rank read). Its own module, so that the
+suite's two workers can run it beside test_training's long one-process runs."""
 from __future__ import annotations
 
 import json
@@ -15,19 +15,44 @@ from tests.helpers import msrun, run_cli
 from tests.test_training import SHORT, metrics, sets
 
 
+def indexed_copy_of_the_default_corpus(folder: Path, tokenizer: Path) -> str:
+    """The embedded corpus that one_process_tiny trains on, as an indexed dataset: the same packed samples, served
+    memory-mapped (tests/test_data_indexed.py checks the two paths give the same samples)."""
+    from data_sched.default_corpus import default_corpus
+    from data_sched.indexed_dataset import write_indexed_dataset
+    from data_sched.tokenizer import Tokenizer
+    tok = Tokenizer.load(str(tokenizer))
+    write_indexed_dataset(str(folder / "corpus"), tok.encode_documents(default_corpus()), tok.vocab_size)
+    return str(folder / "corpus.bin")
+
+
+def samples_read(out: Path, rank: int) -> dict[int, list[int]]:
+    lines = (out / "logs" / f"samples_rank{rank}.jsonl").read_text().splitlines()
+    return {rec["step"]: rec["samples"] for rec in map(json.loads, lines)}
+
+
 def test_data_parallel_under_msrun_matches_one_process(tmp_path, one_process_tiny):
-    """Same global batch, DP=2 under msrun vs one process. Only the reduction order differs (per-rank means, then a
+    """Same global batch, DP=2 under msrun vs one process, the DP run reading the corpus as a memory-mapped indexed
+    dataset: at every step its ranks read disjoint samples whose union is the one-process run's global batch.
+    Only the reduction order differs (per-rank means, then a
     mean over ranks, instead of one mean), so after the first step Adam's first moment (linear in the gradient)
     agrees within the fp32 tolerance of that reduction. Adam then moves each weight by at most lr per step whatever
     the gradient, so after n steps the weights cannot differ by more than 2 * sum(lr) per element (a tighter
     weight bound would be a guess: an element whose gradient is near zero may take a step of either sign)."""
     one, two = one_process_tiny, tmp_path / "dp2"     # the one-process run has z-loss on: every loss is compared
-    common = SHORT + PARALLEL_COMMON + ["training.dump_steps=1"]
+    common = SHORT + PARALLEL_COMMON + ["training.dump_steps=1", "data.log_samples=true"]
+    corpus = indexed_copy_of_the_default_corpus(tmp_path, one / "tokenizer.model")
     proc, logs = msrun(2, tmp_path / "msrun_logs", "run_train.py", "--recipe", "tiny",
                        *sets(*common, "parallel_config.data_parallel=2", f"data.tokenizer={one / 'tokenizer.model'}",
-                             f"output_dir={two}"), cluster_time_out=120)
+                             f"data.paths=[{corpus}]", f"output_dir={two}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "world=2" in logs
+    whole, halves = samples_read(one, 0), [samples_read(two, r) for r in (0, 1)]
+    assert sorted(whole) == sorted(halves[0]) == sorted(halves[1]) == [1, 2, 3, 4]
+    for step in whole:
+        first, second = halves[0][step], halves[1][step]
+        assert not set(first) & set(second), step
+        assert sorted(first + second) == sorted(whole[step]) and len(first) == len(second), step
 
     def at(out: Path, rank: int, step: int) -> dict[str, np.ndarray]:
         return load_file(str(out / "checkpoints" / f"rank_{rank}" / f"step_{step:08d}" / "weights.safetensors"))

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from parallel.ep.placement import (LoadPredictor, LoadWindow, MoveCost, Placement, align_placement,
-                                   greedy_placement, load_bound, migration_moves, plan_migration, plan_placement,
-                                   replica_counts)
+from parallel.ep.load import LoadPredictor, LoadWindow
+from parallel.ep.migration_plan import MoveCost, align_placement, migration_moves, plan_migration
+from parallel.ep.placement import Placement, greedy_placement, load_bound, plan_placement, replica_counts
 from parallel.planner.cluster import load_cluster
 import parallel.ep.placement as placement_module
 

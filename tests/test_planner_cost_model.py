@@ -7,15 +7,15 @@ import pytest
 
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
-from parallel.planner.cluster import load_cluster
 from parallel.planner.blocks import block_costs
+from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import (evaluate, even_stage, gradient_comm, in_flight, p2p_time, stage_memory,
                                          stage_time, step_time, update_time)
 from parallel.planner.costing import Costing
-from parallel.planner.workload import FP32, Layouts, Workload
 from parallel.planner.model_shape import training_memory
 from parallel.planner.search import enumerate_layouts
 from parallel.planner.simulate import simulate_layout
+from parallel.planner.workload import FP32, Layouts, Workload
 from tests.test_planner_model_shape import TELECHAT3_105B
 
 W = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)

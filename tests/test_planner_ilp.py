@@ -8,10 +8,10 @@ import pytest
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import build, validate
 from parallel.planner.cluster import load_cluster
-from parallel.planner.workload import Workload
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import (CHUNKINGS, assess, brute_force, chunk_layout, chunk_plans, even_assignment,
                                        held_profiles, solve_ilp)
+from parallel.planner.workload import Workload
 from tests.test_planner_model_shape import TELECHAT3_105B
 
 SMALL = dataclasses.replace(TELECHAT3_105B, num_layers=6, first_k_dense=1)

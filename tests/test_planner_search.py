@@ -6,10 +6,10 @@ import pytest
 
 from parallel.layout import ParallelLayout
 from parallel.planner.cluster import load_cluster
-from parallel.planner.workload import Layouts, Workload
 from parallel.planner.refine import balance_and_simulate, refine, schedules_for
 from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
 from parallel.planner.stage_ilp import assess, score_assignment, solve_ilp
+from parallel.planner.workload import Layouts, Workload
 from telechat_moe.recipe import load_recipe
 from tests.test_planner_model_shape import TELECHAT3_105B
 

@@ -8,14 +8,14 @@ import pytest
 
 from parallel.layout import ParallelLayout
 from parallel.planner import tp_traffic
-from parallel.planner.cluster import load_cluster
 from parallel.planner.blocks import BlockCosting, block_costs
+from parallel.planner.cluster import load_cluster
 from parallel.planner.cost_model import evaluate, even_stage, gradient_comm, stage_memory
 from parallel.planner.costing import Costing
-from parallel.planner.workload import Layouts, Workload
 from parallel.planner.model_shape import (TELECHAT3_36B, ModelShape, block_parameters, flops_per_token,
                                           parameter_breakdown, training_memory)
 from parallel.planner.search import search
+from parallel.planner.workload import Layouts, Workload
 
 ASCEND = load_cluster("ascend910b")
 

@@ -114,7 +114,8 @@ MALFORMED_SETS = [
     (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "num_hidden_layers"),
     (["model.seq_length=1024"], "model.seq_length", "max_position_embeddings"),
     (["optimizer.betas=[0.9]"], "optimizer.betas", "two numbers"),
-    (["data.paths=notalist"], "data.paths", "list"),
+    (["data.paths=0.3 a.bin 0.7"], "data.paths", "weight/path pairs"),
+    (["data.paths={a: 1}"], "data.paths", "list of paths"),
     (["training.loss_scale=huge"], "training.loss_scale", "dynamic"),
 ]
 

@@ -25,9 +25,9 @@ import pytest
 from parallel.comm import ProcessGroups
 from parallel.layout import Axis
 from parallel.planner.model_shape import stage_parameters
-from telechat_moe.parallel_report import (INSIDE_REGIONS, model_volumes, parallel_report, planner_volumes,
-                                          recipe_report)
+from telechat_moe.parallel_report import INSIDE_REGIONS, parallel_report
 from telechat_moe.recipe import load_recipe
+from telechat_moe.show_parallel import model_volumes, planner_volumes, recipe_report
 from tests.helpers import assert_one_line_error, run_main
 
 SMALL = ["model.seq_length=16", "model.max_position_embeddings=16", "model.original_max_position_embeddings=16",

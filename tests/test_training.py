@@ -123,15 +123,33 @@ def test_a_second_run_loads_its_graphs_from_the_compile_cache(tmp_path):
 
 
 # ---- resume ---------------------------------------------------------------------------------------------------
+def blended_corpus(folder: Path) -> list[str]:
+    """The default corpus tokenized into two indexed datasets (alternate documents), blended 0.3/0.7, with their
+    tokenizer and an index cache of their own: the recipe settings a run on them takes."""
+    from data_sched.default_corpus import default_corpus
+    from data_sched.indexed_dataset import write_indexed_dataset
+    from data_sched.tokenizer import Tokenizer, train_tokenizer
+    from telechat_moe.recipe import load_recipe
+    texts = default_corpus()
+    model = train_tokenizer(texts, load_recipe("tiny").model.vocab_size, str(folder / "tok"))
+    tokenizer = Tokenizer.load(model)
+    for name, part in (("a", texts[0::2]), ("b", texts[1::2])):
+        write_indexed_dataset(str(folder / name), tokenizer.encode_documents(part), tokenizer.vocab_size)
+    return [f"data.paths=0.3 {folder / 'a.bin'} 0.7 {folder / 'b.bin'}", f"data.tokenizer={model}",
+            f"data.cache_dir={folder / 'cache'}"]
+
+
 def test_resume_after_kill_is_exact(tmp_path):
+    """On a 0.3/0.7 blend of two indexed datasets: a second run with the same seed (from the first's cached
+    indexes) trains the same batches, and one killed with -9 and resumed logs the first run's losses bit for bit;
+    the step log carries each source's share."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    common = SHORT + ["training.train_steps=12", "training.save_interval=6", NO_EVAL]
+    common = SHORT + ["training.train_steps=12", "training.save_interval=6", NO_EVAL, *blended_corpus(tmp_path)]
     proc = run_cli("run_train.py", "--recipe", "tiny", *sets(*common, f"output_dir={straight}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tokenizer = f"data.tokenizer={straight / 'tokenizer.model'}"
-
+    assert "share/a 0.2500 share/b 0.7500" in proc.stdout      # 4 samples a step: one of a, three of b
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3"}
-    cmd = [sys.executable, "run_train.py", "--recipe", "tiny", *sets(*common, tokenizer, f"output_dir={killed}")]
+    cmd = [sys.executable, "run_train.py", "--recipe", "tiny", *sets(*common, f"output_dir={killed}")]
     victim = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ten = killed / "checkpoints" / "rank_0" / "step_00000006"
     deadline = time.time() + 600
@@ -142,7 +160,7 @@ def test_resume_after_kill_is_exact(tmp_path):
     assert ten.is_dir() and not (killed / "checkpoints" / "rank_0" / "step_00000012").exists(), \
         "the run must die between its step-6 and step-12 checkpoints"
 
-    proc = run_cli("run_train.py", "--recipe", "tiny", "--resume", *sets(*common, tokenizer, f"output_dir={killed}"))
+    proc = run_cli("run_train.py", "--recipe", "tiny", "--resume", *sets(*common, f"output_dir={killed}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "at step 6" in proc.stdout
     a, b = metrics(straight), metrics(killed)

@@ -28,9 +28,10 @@ from oneline import InputError
 from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.planner.blocks import block_costs
 from parallel.planner.cost_model import StagePlan, p2p_time, stage_memory, stage_parts
-from parallel.planner.workload import Layouts, Workload
+from parallel.pipeline.placement_milp import StageProgram
 from parallel.pipeline.schedules import ChunkLayout
 from parallel.pipeline.simulator import StageCosts
+from parallel.planner.workload import Layouts, Workload
 
 KINDS = ("embedding", "dense", "moe", "mtp", "head")
 
@@ -269,6 +270,14 @@ def _runs(units: tuple[Unit, ...]) -> list[tuple[int, int]]:
     return out
 
 
+def _capped(bound: np.ndarray, target: int, value: float) -> np.ndarray:
+    """`bound` with `target` at most `value`, widened by HiGHS' feasibility tolerance (1e-7): the value comes from a
+    solution that may miss a row by that much, and the next pass must keep it feasible."""
+    out = bound.copy()
+    out[target] = value + 1e-7 * (1 + abs(value))
+    return out
+
+
 def balance(units, stages: int, chunks: int, options: PlacementOptions = PlacementOptions(),
             in_flight=None, node_limit: int | None = None, tie_break_nodes: int = 500, gap: float | None = None,
             tie_breaks: bool = True, prove: bool = True) -> Placement:
@@ -295,290 +304,47 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
     and the returned placement holds each unit as the choice it runs.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
 
     units = tuple(units)
     _check_chain(units, stages, chunks)
-    n, segs = len(units), stages * chunks
-    v_shape = options.chunk_layout is ChunkLayout.V
-    where = [options.chunk_layout.stage_and_chunk(stages, k) for k in range(segs)]  # segment -> (stage, chunk)
-    on_stage = [[options.chunk_layout.virtual_stage(stages, s, c) for c in range(chunks)] for s in range(stages)]
-    profiles = _profiles(stages, chunks, in_flight)
-    runs = _runs(units)
-    chosen = [r for r, (start, _) in enumerate(runs) if units[start].choices]  # runs whose units pick a choice
-    fixed = np.array([float(not u.choices) for u in units])  # chosen units' time and activations come from counts
-    # HiGHS works to absolute tolerances: scale times to at most 1 and memory to the limit
-    t_scale = max(max(x.time for u in units for x in (u, *u.choices)), np.finfo(float).tiny)
-    t = np.array([u.time for u in units]) * fixed / t_scale
-    mem_scale = options.memory_limit if math.isfinite(options.memory_limit) else 1.0
-    w = np.array([u.weight_memory for u in units]) / mem_scale
-    a = np.array([u.activation_memory for u in units]) * fixed / mem_scale
-    prefix = {name: np.concatenate([[0.0], np.cumsum(x)]) for name, x in (("t", t), ("w", w), ("a", a))}
-    prefix["pos"] = np.arange(n + 1, dtype=float)
-    prefix["layers"] = np.concatenate([[0.0], np.cumsum([u.kind in ("dense", "moe") for u in units])])
-    for r in chosen:
-        start, length = runs[r]
-        prefix[r] = np.concatenate([[0.0], np.cumsum((np.arange(n) >= start) & (np.arange(n) < start + length))])
-    rows: list[tuple[dict[int, float], float, float]] = []
-
-    integrality: list[int] = []
-    upper: list[float] = []
-
-    def var(up: float, integer: bool = True) -> int:
-        integrality.append(int(integer))
-        upper.append(up)
-        return len(upper) - 1
-
-    # lo[k]..hi[k]: the positions cut k can take under the rows below (every segment holds a unit, and a layer with
-    # even chunks; the dense layers in the first segment; MTP in the head's), cut k starting segment k
-    layers = [i for i, u in enumerate(units) if u.kind in ("dense", "moe")]
-    dense = [i for i, u in enumerate(units) if u.kind == "dense"]
-    mtps = [i for i, u in enumerate(units) if u.kind == "mtp"]
-    mtp_with_head = bool(mtps) and units[-1].kind == "head" and not options.mtp_apart_from_head
-    lo, hi = np.arange(segs + 1), n - np.arange(segs, -1, -1)
-    bare = options.even_chunks and options.bare_ends
-    for k in range(1, segs):
-        if options.even_chunks and len(layers) >= segs - 2 * bare:
-            before, after = k - bare, segs - k - bare  # the layers the segments before and after cut k must hold
-            if before > 0:
-                lo[k] = max(lo[k], layers[before - 1] + 1)
-            if after > 0:
-                hi[k] = min(hi[k], layers[len(layers) - after])
-        if options.dense_in_first_segment and dense:
-            lo[k] = max(lo[k], dense[-1] + k)
-        if mtp_with_head:
-            hi[k] = min(hi[k], min(mtps) - (segs - 1 - k))
-    # per internal cut k and run r: in_run (binary), offset inside the run (integer). A cut whose positions all
-    # lie in one run with choices (its end included: the prefixes stay linear up to it) takes neither: its offset
-    # is the run's units counted in the segments before. With the planner's options every cut is such, and the
-    # program is the count program: per segment and choice a count, the counts of a run adding up to its length.
-    cut_vars: dict[int, dict[int, tuple[int | None, int | None]]] = {}
-    for k in range(1, segs):
-        whole = [r for r in chosen if runs[r][0] <= lo[k] <= hi[k] <= sum(runs[r])]
-        cut_vars[k] = ({whole[0]: (None, None)} if whole else
-                       {r: (var(1.0), var(length - 1.0)) for r, (_, length) in enumerate(runs)})
-    if tie_breaks:
-        z = var(np.inf, integer=False)
-        floor = var(np.inf, integer=False)  # the fastest stage's time, raised in the last pass
-        largest = var(np.inf, integer=False)  # the slowest segment (chunk of a stage), the second pass's objective
-    chunk_max = [] if v_shape else [var(np.inf, integer=False) for _ in range(chunks)]
-    period = var(np.inf, integer=False)
-
-    def holds(k: int, r: int) -> bool:
-        """Whether segment k can hold units of run r."""
-        start, length = runs[r]
-        return start < hi[k + 1] and lo[k] < start + length
-
-    # per segment and run with choices: how many of the run's units in the segment take each choice
-    picks = {(k, r): [var(float(runs[r][1])) for _ in units[runs[r][0]].choices]
-             for k in range(segs) for r in chosen if holds(k, r)}
-    counted = {r for cut in cut_vars.values() for r, (_, offset) in cut.items() if offset is None}
-
-    def at(k: int, what) -> tuple[dict[int, float], float]:
-        """prefix[what] at cut k as a linear expression (coefficients, constant)."""
-        if k == 0:
-            return {}, float(prefix[what][0])
-        if k == segs:  # the end, less each counted run's units plus their counts (the same, by the rows on counts):
-            acc, const = {}, float(prefix[what][n])  # then the last segment's differences cancel as the others'
-            for r in counted:
-                start, length = runs[r]
-                slope = prefix[what][start + 1] - prefix[what][start]
-                const -= slope * length
-                acc.update({x: slope for j in range(segs) for x in picks.get((j, r), ())})
-            return acc, const
-        acc, const = {}, 0.0
-        pre = prefix[what]
-        for r, (in_run, offset) in cut_vars[k].items():
-            start = runs[r][0]
-            if in_run is None:
-                const = float(pre[start])
-            else:
-                acc[in_run] = pre[start]
-            for x in [offset] if offset is not None else [x for j in range(k) for x in picks.get((j, r), ())]:
-                acc[x] = pre[start + 1] - pre[start]
-        return acc, const
-
-    def segment(k: int, what: str) -> list[tuple[float, tuple[dict[int, float], float]]]:
-        """Segment k's time ('t') or activations ('a'): its fixed units' and its chosen counts'."""
-        terms = [(1.0, at(k + 1, what)), (-1.0, at(k, what))]
-        for r in chosen:
-            for x, c in zip(picks.get((k, r), ()), units[runs[r][0]].choices):
-                terms.append((c.time / t_scale if what == "t" else c.activation_memory / mem_scale, ({x: 1.0}, 0.0)))
-        return terms
-
-    def add(terms: list[tuple[float, tuple[dict[int, float], float]]], low: float, up: float) -> None:
-        acc: dict[int, float] = {}
-        const = 0.0
-        for coef, (expr, c0) in terms:
-            for j, v in expr.items():
-                acc[j] = acc.get(j, 0.0) + coef * v
-            const += coef * c0
-        acc = {j: v for j, v in acc.items() if v}
-        if acc or not low <= const <= up:  # a difference of counted cuts may cancel out
-            rows.append((acc, low - const, up - const))
-
-    for k in range(1, segs):
-        if None in (in_run for in_run, _ in cut_vars[k].values()):
-            continue
-        rows.append(({in_run: 1.0 for in_run, _ in cut_vars[k].values()}, 1.0, 1.0))
-        for r, (in_run, offset) in cut_vars[k].items():
-            rows.append(({offset: 1.0, in_run: -(runs[r][1] - 1.0)}, -np.inf, 0.0))
-    for k in range(segs):  # every segment holds at least one unit, and at most its chunk's slowest time
-        add([(1.0, at(k + 1, "pos")), (-1.0, at(k, "pos"))], 1.0, np.inf)
-        if not v_shape:
-            add(segment(k, "t") + [(-1.0, ({chunk_max[where[k][1]]: 1.0}, 0.0))], -np.inf, 0.0)
-        if tie_breaks and chunks > 1:
-            add(segment(k, "t") + [(-1.0, ({largest: 1.0}, 0.0))], -np.inf, 0.0)
-    if not v_shape:
-        rows.append(({period: 1.0, **{x: -1.0 for x in chunk_max}}, 0.0, 0.0))
-    holding: dict[int, list[int]] = {}
-
-    def containing(j: int) -> list[int]:
-        """One binary per segment, 1 for the segment that holds unit j."""
-        if j in holding:
-            return holding[j]
-        g = holding[j] = [var(1.0) for _ in range(segs)]
-        rows.append(({x: 1.0 for x in g}, 1.0, 1.0))
-        for k, x in enumerate(g):
-            add([(1.0, at(k, "pos")), (n - j, ({x: 1.0}, 0.0))], -np.inf, float(n))  # starts at or before j
-            add([(1.0, at(k + 1, "pos")), (-(j + 1.0), ({x: 1.0}, 0.0))], 0.0, np.inf)  # ends after j
-        return g
-
-    limited = math.isfinite(options.memory_limit)
-    if limited:
-        # a stage holds the largest transient of its units: tr_s >= transient of every run reaching stage s. The
-        # runs reaching a segment are those between the runs holding its first and last unit, so the run's first
-        # and last unit each get a segment indicator and the run covers segments from the one to the other. With
-        # choices a segment holds one of the units it can hold, and all those it must: its stage's transient is at
-        # least the least of the one and the largest of the others, and only a choice exceeding that takes a
-        # binary (per stage, as the count program: with the planner's options only full recompute's).
-        tau = np.array([u.transient for u in units]) / mem_scale
-        least = np.array([min(x.transient for x in (u, *u.choices)) for u in units]) / mem_scale
-        low = least.min()
-        floors = [max(least[lo[k]:hi[k + 1]].min(), max(least[hi[k]:lo[k + 1]], default=low)) for k in range(segs)]
-        tr_low = [max(floors[k] for k in on_stage[s]) if chosen else low for s in range(stages)]
-        tr = [var(np.inf, integer=False) for _ in range(stages)]
-        for x, floor_s in zip(tr, tr_low):
-            rows.append(({x: 1.0}, floor_s, np.inf))
-        for r, (start, length) in enumerate(runs):
-            if tau[start] <= low or r in chosen:
-                continue
-            first = containing(start)
-            last = first if length == 1 else containing(start + length - 1)
-            for k in range(segs):
-                covers = {x: 1.0 for x in first[:k + 1]}
-                for x in last[:k]:
-                    covers[x] = covers.get(x, 0.0) - 1.0
-                add([(1.0, ({tr[where[k][0]]: 1.0}, 0.0)), (-tau[start], (covers, 0.0))], 0.0, np.inf)
-        for r in chosen:  # a choice present on a stage raises its transient
-            for s in range(stages):
-                ks = [k for k in on_stage[s] if (k, r) in picks]
-                for i, c in enumerate(units[runs[r][0]].choices):
-                    if ks and c.transient / mem_scale > tr_low[s]:
-                        present = var(1.0)
-                        rows.append(({**{picks[k, r][i]: 1.0 for k in ks}, present: -float(runs[r][1])}, -np.inf,
-                                     0.0))
-                        rows.append(({tr[s]: 1.0, present: -c.transient / mem_scale}, 0.0, np.inf))
-    for s in range(stages):
-        ks = on_stage[s]  # in chunk order, as the profiles' columns
-        stage_time = [term for k in ks for term in segment(k, "t")]
-        if v_shape:
-            add(stage_time + [(-1.0, ({period: 1.0}, 0.0))], -np.inf, 0.0)
-        if tie_breaks:
-            add(stage_time + [(-1.0, ({z: 1.0}, 0.0))], -np.inf, 0.0)
-            add(stage_time + [(-1.0, ({floor: 1.0}, 0.0))], 0.0, np.inf)
-        for held in profiles[s] if limited else ():
-            terms = [(1.0, ({tr[s]: 1.0}, 0.0))]
-            for c, k in enumerate(ks):
-                terms += [(1.0, at(k + 1, "w")), (-1.0, at(k, "w"))]
-                terms += [(held[c] * coef, expr) for coef, expr in segment(k, "a")]
-            add(terms, -np.inf, 1.0)
-    if mtps and units[-1].kind == "head":
-        if options.mtp_apart_from_head:  # the head's stage p-1 holds no MTP
-            for j in mtps:
-                g = containing(j)
-                for k in on_stage[where[segs - 1][0]]:
-                    upper[g[k]] = 0.0
-        elif segs > 1 and max(sum(runs[r]) for r in cut_vars[segs - 1]) > min(mtps):
-            add([(1.0, at(segs - 1, "pos"))], -np.inf, float(min(mtps)))  # MTP in the head's segment, the last one
-    for (k, r), xs in picks.items():  # the counts of a segment's choices add up to its units of the run
-        add([(1.0, at(k + 1, r)), (-1.0, at(k, r))] + [(-1.0, ({x: 1.0}, 0.0)) for x in xs], 0.0, 0.0)
-    for r in counted:  # and those of a counted run to its length
-        rows.append(({x: 1.0 for (_, q), xs in picks.items() if q == r for x in xs}, runs[r][1], runs[r][1]))
-    if options.dense_in_first_segment and dense and segs > 1 and min(runs[r][0] for r in cut_vars[1]) <= dense[-1]:
-        add([(1.0, at(1, "pos"))], dense[-1] + 1.0, np.inf)
-    if options.even_chunks:
-        for s in range(stages):
-            q = var(np.inf)  # the fewest layers of the stage's chunks (but an end's)
-            for k in on_stage[s]:
-                layers = [(1.0, at(k + 1, "layers")), (-1.0, at(k, "layers"))]
-                end = bare and k in (0, segs - 1)
-                add(layers, 0.0 if end else 1.0, np.inf)
-                add(layers + [(-1.0, ({q: 1.0}, 0.0))], -np.inf if end or k == segs - 1 else 0.0, 1.0)
-    goal = period
-    if options.micro_batches:  # the step: step_terms' weights on the period, forward and backward work
-        goal = var(np.inf, integer=False)
-        on_period, on_fwd, on_bwd = step_terms(options.chunk_layout, stages, chunks, options.micro_batches)
-
-        def work(u: Unit) -> float:
-            return (on_fwd * u.forward + on_bwd * u.backward) / t_scale
-
-        picked = {x: -work(c) for (_, r), xs in picks.items() for x, c in zip(xs, units[runs[r][0]].choices)}
-        fixed_work = sum(work(u) for u, f in zip(units, fixed) if f)
-        rows.append(({goal: 1.0, period: -on_period, **picked}, fixed_work, fixed_work))
-
-    nv = len(upper)
-    mat = lil_matrix((len(rows), nv))
-    lo, hi = np.empty(len(rows)), np.empty(len(rows))
-    for i, (acc, low, up) in enumerate(rows):
-        for j, v in acc.items():
-            mat[i, j] = v
-        lo[i], hi[i] = low, up
-    constraints = LinearConstraint(mat.tocsr(), lo, hi)
+    terms = step_terms(options.chunk_layout, stages, chunks, options.micro_batches) if options.micro_batches else None
+    prog = StageProgram(units, stages, chunks, options, _profiles(stages, chunks, in_flight), _runs(units), terms,
+                        tie_breaks)
+    constraints = LinearConstraint(*prog.matrix())
+    integrality = np.array(prog.integrality)
 
     def solve(cost: np.ndarray, bounds: Bounds, limits: dict, prove: bool):
-        res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds, options=limits)
+        res = milp(cost, constraints=constraints, integrality=integrality, bounds=bounds, options=limits)
         # HiGHS' presolve fails on some capped passes (seen with scipy 1.17): solve without it. Status 4 with a
         # solution is HiGHS 1.12's node limit ("solution limit reached", which scipy does not name), not a failure
         if res.status == 4 and res.x is None:
-            res = milp(cost, constraints=constraints, integrality=np.array(integrality), bounds=bounds,
+            res = milp(cost, constraints=constraints, integrality=integrality, bounds=bounds,
                        options={**limits, "presolve": False})
         if res.x is None:
-            why = "memory_limit" if limited else "the MTP, non-empty-segment and chunk constraints"
-            raise PlacementError(f"no placement of {n} units on {stages} stages x {chunks} chunks satisfies {why} "
-                                 f"({res.message})")
+            why = "memory_limit" if prog.limited else "the MTP, non-empty-segment and chunk constraints"
+            raise PlacementError(f"no placement of {len(units)} units on {stages} stages x {chunks} chunks satisfies "
+                                 f"{why} ({res.message})")
         if prove and res.status != 0:
             raise PlacementError(f"placement solver stopped before proving optimality: {res.message}")
         return res
 
     def minimise(target: int, bound: np.ndarray, limits: dict, prove: bool, sign: float = 1.0):
-        cost = np.zeros(nv)
+        cost = np.zeros(prog.nv)
         cost[target] = sign
-        return solve(cost, Bounds(np.zeros(nv), bound), limits, prove)
-
-    def capped(bound: np.ndarray, target: int, value: float) -> np.ndarray:
-        """`bound` with `target` at most `value`, widened by HiGHS' feasibility tolerance (1e-7): the value comes
-        from a solution that may miss a row by that much, and the next pass must keep it feasible."""
-        out = bound.copy()
-        out[target] = value + 1e-7 * (1 + abs(value))
-        return out
+        return solve(cost, Bounds(np.zeros(prog.nv), bound), limits, prove)
 
     def reached(target: int, x: np.ndarray) -> float:
         """The slowest chunk's (`largest`) or stage's (`z`) time of the solution with its integers rounded, at least
         the solver's value: the solver meets rows and integrality only to its tolerances, and a cap below what the
         placement really takes could leave the next pass without a solution."""
-        xi = np.where(np.array(integrality) == 1, np.round(x), x)
-
-        def value(terms) -> float:
-            return sum(coef * (c0 + sum(c * xi[j] for j, c in expr.items())) for coef, (expr, c0) in terms)
-
-        seg = [value(segment(k, "t")) for k in range(segs)]
-        got = max(seg) if target == largest else max(sum(seg[k] for k in ks) for ks in on_stage)
+        xi = np.where(integrality == 1, np.round(x), x)
+        seg = [prog.value(prog.segment(k, "t"), xi) for k in range(prog.segs)]
+        got = max(seg) if target == prog.largest else max(sum(seg[k] for k in ks) for ks in prog.on_stage)
         return max(float(x[target]), got)
 
-    bound = np.array(upper)
+    bound = np.array(prog.upper)
     proven = {} if node_limit is None else {"node_limit": node_limit}
-    res = minimise(goal, bound, proven if gap is None else {**proven, "mip_rel_gap": gap}, prove)
+    res = minimise(prog.goal, bound, proven if gap is None else {**proven, "mip_rel_gap": gap}, prove)
     stopped_at = float(getattr(res, "mip_gap", 0.0) or 0.0) if res.status != 0 else 0.0
     if tie_breaks and chunks > 1:
         # second pass: at that period, the slowest chunk. The period is blind to how a stage's time splits over its
@@ -586,31 +352,27 @@ def balance(units, stages: int, chunks: int, options: PlacementOptions = Placeme
         # 1F1B runs the chunks of different stages side by side, so its steady state waits on the slowest chunk
         # anywhere (simulated, p=16, v=2, m=64, every stage F=1, B=2: step 214.5 with its chunks split 1:1, 301.8
         # at 1:4, the same period).
-        bound = capped(bound, goal, res.x[goal])
-        res = minimise(largest, bound, proven, prove)
-        bound = capped(bound, largest, reached(largest, res.x))
-        res = minimise(z, bound, proven, prove)
+        bound = _capped(bound, prog.goal, res.x[prog.goal])
+        res = minimise(prog.largest, bound, proven, prove)
+        bound = _capped(bound, prog.largest, reached(prog.largest, res.x))
+        res = minimise(prog.z, bound, proven, prove)
     # last pass, a tie-break: among the placements with that period, slowest chunk and slowest stage, raise the
     # fastest stage, so that the other stages do not keep whatever uneven split the first passes returned. Its best
     # within a node budget will do.
     if tie_breaks:
-        res = minimise(floor, capped(bound, z, reached(z, res.x)), {"node_limit": tie_break_nodes}, prove=False,
-                       sign=-1.0)
+        res = minimise(prog.floor, _capped(bound, prog.z, reached(prog.z, res.x)), {"node_limit": tie_break_nodes},
+                       prove=False, sign=-1.0)
     x = np.round(res.x)
-    cuts = []
-    for k in range(segs + 1):
-        expr, const = at(k, "pos")
-        cuts.append(int(round(const + sum(c * x[j] for j, c in expr.items()))))
+    cuts = prog.cuts(x)
     placed = list(units)
-    for (k, r), xs in picks.items():  # the run's units in segment k, in order, as the counted choices
-        start, length = runs[r]
+    for (k, r), xs in prog.picks.items():  # the run's units in segment k, in order, as the counted choices
+        start, length = prog.runs[r]
         first, end = max(cuts[k], start), min(cuts[k + 1], start + length)
         placed[first:end] = [c for j, c in zip(xs, units[start].choices) for _ in range(int(x[j]))]
-    return dataclasses.replace(evaluate(placed, stages, chunks, np.diff(cuts), profiles, method="balanced (MILP)",
+    return dataclasses.replace(evaluate(placed, stages, chunks, np.diff(cuts), prog.profiles, method="balanced (MILP)",
                                         chunk_layout=options.chunk_layout), gap=stopped_at)
 
 
-# ---- units from the planner's cost model ---------------------------------------------------------------------------
 def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions = PlacementOptions(),
                   recompute: tuple[str, ...] = ()) -> list[Unit]:
     """The model as a chain [embedding, dense layers, MoE layers, MTP depths, head] with the cost model's costs for

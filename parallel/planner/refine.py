@@ -9,10 +9,10 @@ import numpy as np
 
 from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.pipeline.schedules import dualpipe_v_unfit
-from parallel.planner.workload import Workload
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import StageAssignment, schedule_name, score_assignment, solve_ilp
+from parallel.planner.workload import Workload
 
 NEAR_FIT = 1.3  # layouts up to this multiple of the memory limit may still fit once the ILP re-balances them
 

@@ -9,9 +9,9 @@ import numpy as np
 import yaml
 
 from parallel.layout import ParallelLayout
-from parallel.planner.workload import Workload
 from parallel.planner.refine import Candidate
 from parallel.planner.search import SearchResult
+from parallel.planner.workload import Workload
 
 GIB = 2 ** 30
 # column -> ParallelLayout field

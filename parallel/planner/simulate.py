@@ -17,8 +17,8 @@ from parallel.pipeline.schedules import ChunkLayout, build
 from parallel.pipeline.simulator import SimResult, StageCosts, simulate
 from parallel.planner.blocks import block_costs
 from parallel.planner.cost_model import p2p_time, stage_memory, stage_parts, summarise, update_time
-from parallel.planner.workload import Layouts, Workload
 from parallel.planner.stage_ilp import StageAssignment, chunk_layout, chunk_plans, even_assignment, schedule_name
+from parallel.planner.workload import Layouts, Workload
 
 
 def pipeline_costs(w: Workload, layout: ParallelLayout, a: StageAssignment,

@@ -43,8 +43,8 @@ from parallel.pipeline.placement import (PlacementError, PlacementOptions, balan
 from parallel.pipeline.schedules import ChunkLayout, Kind, build
 from parallel.planner.blocks import block_costs
 from parallel.planner.cost_model import StagePlan, p2p_time, stage_memory, stage_parts, summarise, update_time
-from parallel.planner.workload import Layouts, Workload
 from parallel.planner.model_shape import even_layer_split
+from parallel.planner.workload import Layouts, Workload
 
 MODES = len(RECOMPUTE)
 
