@@ -16,8 +16,9 @@ kernel with its own backward, bound to the same contract on both devices.
 - `grouped_matmul.py`: the MoE experts' grouped matmul. CPU: `ops.Custom` AOT kernels (kernels/grouped_matmul.cc,
   built by `native.py`) calling NumPy's OpenBLAS on MindSpore's buffers, with their own backward; Ascend: a thin
   binding of MindSpore's `GroupedMatmul` (split_item=3, group_type=0).
-- `varlen_attention.py`: per-document causal attention. CPU: an `ops.Custom` pyfunc, tiled; Ascend: MindSpore's
-  FlashAttentionScore with the TND layout.
+- `flash_attention.py`: per-document causal attention that never holds [s, s] scores. CPU: `ops.Custom` AOT kernels
+  (kernels/flash_attention.cc, FlashAttention-2's blockwise online softmax with its backward); Ascend: MindSpore's
+  FlashAttentionScore with the TND layout and the value heads padded.
 - CPU-only kernels where MindSpore's CPU runtime is slow at a chain of small operators (Ascend keeps the chain,
   which DVM fuses): `rowwise.py` (SwiGLU, RMSNorm, rotary embedding, attention's masked softmax, the cross-entropy,
   the MoE combine, each with its own backward), `square_sums.py` (the gradient norm's squares), `adamw.py` (AdamW's

@@ -3,8 +3,9 @@ and what their callers share (`each_float32`).
 
 MindSpore runs an AOT `ops.Custom` kernel from a shared library; each is built once per source text and CPU into
 $XDG_CACHE_HOME/telechat_moe/kernels (~/.cache/...), named by a hash of both (the build targets the CPU it runs on),
-the flags and g++'s version, so an edited kernel is rebuilt and an unchanged one is not. Processes starting together
-(msrun's ranks, test workers) build it once: the first holds a file lock, the others wait and find the library.
+the shared headers (kernels/*.h), the flags and g++'s version, so an edited kernel is rebuilt and an unchanged one
+is not. Processes starting together (msrun's ranks, test workers) build it once: the first holds a file lock, the
+others wait and find the library.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def library(name: str) -> Path:
     """The built library of kernels/<name>.cc, building it if this source has not been built yet."""
     source = SOURCES / f"{name}.cc"
     path, version = compiler()
-    key = source.read_bytes() + " ".join(FLAGS).encode() + cpu_identity().encode() + version.encode()
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # what a source may include
+    key = source.read_bytes() + headers + " ".join(FLAGS).encode() + cpu_identity().encode() + version.encode()
     target = cache_dir() / "kernels" / f"{name}-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -96,3 +98,14 @@ def each_float32(tensors: tuple) -> tuple:
     graph mode a comprehension over small's 90 gradients took 3 s of its first step's compile (measured); the
     HyperMap's cost is not measurable."""
     return _each(_float32, tensors)
+
+
+def aot_kernel(lib: Path, name: str, out_dtype, bprop=None):
+    """`ops.Custom` of the kernel `name` in `lib` whose output shape the library's `<name>InferShape` gives (MindSpore's
+    C++ shape inference): unlike a Python `out_shape`, it takes inputs whose row count a graph knows only at run time
+    (the exact expert exchange's). MindSpore 2.9 reads the primitive's `reg_op_name` on that path (without it: "The
+    pointer[value] is null" at compile)."""
+    kernel = ops.Custom(f"{lib}:{name}", out_shape=None, out_dtype=out_dtype, func_type="aot", bprop=bprop)
+    kernel.add_prim_attr("reg_op_name", name)
+    return kernel
+

@@ -8,7 +8,7 @@ that balancing by it shrinks the measured spread of per-slot times.
         --out output/attention_slots.json                                  # step 2
     python -m scripts.fit_attention_cost --from-measurements times.json --out cost.json   # e.g. measured on Ascend
 
-Measuring (the real TeleChat3-MoE model of the recipe with model.attention_kernel=varlen, graph mode, the trainer's
+Measuring (the real TeleChat3-MoE model of the recipe with model.attention_kernel=flash, graph mode, the trainer's
 ForwardBackward cell; CPU seconds of the process, all threads, which a shared machine's other load disturbs far
 less than wall time; the median of --repeats runs after two warm-up runs per compiled shape):
 1. Calibration: one document of length L per sample, L = bucket, 2*bucket, ..., seq; and full samples of seq
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
                 recipe = load_recipe(args.recipe, [f"model.seq_length={args.seq}",
                                                    f"model.max_position_embeddings={args.seq}",
                                                    f"model.original_max_position_embeddings={args.seq}",
-                                                   "model.attention_kernel=varlen", *args.set])
+                                                   "model.attention_kernel=flash", *args.set])
             except RecipeError as e:
                 raise DataError(str(e)) from None
             stepper = Stepper(recipe)

@@ -40,9 +40,10 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     qk_layernorm: bool = True                # RMSNorm on the q and kv latents
-    # dense: [s, s] scores with a per-document causal mask; varlen: only the blocks inside each document (cost
-    # follows sum of squared document lengths; FlashAttention's actual_seq_len on Ascend)
-    attention_kernel: str = "dense"
+    # flash: blockwise attention that never holds [s, s] scores, only the blocks inside each document (cost follows
+    # the sum of squared document lengths; FlashAttentionScore with actual_seq_len on Ascend; docs/attention.md);
+    # dense: [s, s] scores with a per-document causal mask
+    attention_kernel: str = "flash"
 
     # RoPE with optional YaRN scaling (rotary_scaling_factor > 1)
     rope_theta: float = 10000.0
@@ -145,8 +146,8 @@ class ModelConfig:
                 and self.seq_length % self.moe_comm_chunks == 0,
                 f"model.moe_comm_chunks: expected a positive divisor of seq_length={self.seq_length}, "
                 f"got {self.moe_comm_chunks!r}")
-        require(self.attention_kernel in ("dense", "varlen"),
-                 f"model.attention_kernel: expected dense or varlen, got {self.attention_kernel!r}")
+        require(self.attention_kernel in ("flash", "dense"),
+                 f"model.attention_kernel: expected flash or dense, got {self.attention_kernel!r}")
         require(self.scoring_func in ("sigmoid", "softmax"),
                  f"model.scoring_func: expected sigmoid or softmax, got {self.scoring_func!r}")
         for key in ("params_dtype", "compute_dtype", "softmax_compute_dtype"):

@@ -18,6 +18,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from dvm_fusion.flash_attention import flash_attention_for
 from dvm_fusion.rowwise import BiasSoftmaxCPU, rope_cpu
 from telechat_moe.config import ModelConfig, yarn_mscale
 from parallel.tp.mappings import EnterRegion, TensorParallel
@@ -109,23 +110,24 @@ def dense_causal_attention(query, key, value, bias, scale: float, softmax_dtype,
 
 class AttentionCore(nn.Cell):
     """softmax(q k^T * scale + mask) v by the configured kernel, a cell of its own so that selective recompute
-    can drop just its scores (the largest activations of a layer) and recompute them in the backward."""
+    can drop just its scores (the largest activations of a layer) and recompute them in the backward.
+    flash (dvm_fusion/flash_attention.py): blockwise, no [s, s] tensor, `mask` the segment ids; dense: the full
+    score matrix, `mask` the additive bias."""
 
     def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
         super().__init__()
         self.scale = cfg.softmax_scale()
-        self.varlen = cfg.attention_kernel == "varlen"
-        if self.varlen:
-            from dvm_fusion.varlen_attention import attention_kernel_for
-            self.varlen_attention = attention_kernel_for(device_target)
+        self.flash = cfg.attention_kernel == "flash"
+        if self.flash:
+            self.flash_attention = flash_attention_for(device_target, self.scale)
         self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
         self.compute_dtype = ms_dtype(cfg.compute_dtype)
-        self.fused_softmax = (BiasSoftmaxCPU(self.scale) if device_target != "Ascend" and not self.varlen
+        self.fused_softmax = (BiasSoftmaxCPU(self.scale) if device_target != "Ascend" and not self.flash
                               and self.softmax_dtype == ms.float32 else None)
 
     def construct(self, query, key, value, mask):
-        if self.varlen:
-            return self.varlen_attention(query, key, value, mask, self.scale)
+        if self.flash:
+            return self.flash_attention(query, key, value, mask)
         return dense_causal_attention(query, key, value, mask, self.scale, self.softmax_dtype, self.compute_dtype,
                                       self.fused_softmax)
 
@@ -166,8 +168,8 @@ class MultiLatentAttention(nn.Cell):
         self.rotary = apply_rope if device_target == "Ascend" else rope_cpu
 
     def construct(self, x, cos, sin, mask):
-        """`mask` is what the attention kernel needs: the additive bias [b, 1, s, s] (dense) or the segment ids
-        [b, s] (varlen); TeleChatMoE.attention_mask makes it. `x` is [b, s, h], or under sequence parallelism this
+        """`mask` is what the attention kernel needs: the segment ids [b, s] (flash) or the additive bias
+        [b, 1, s, s] (dense); TeleChatMoE.attention_mask makes it. `x` is [b, s, h], or under sequence parallelism this
         rank's [b, s/tp, h] (and so is the output)."""
         x = self.enter(x)
         b, s, _ = x.shape

@@ -160,7 +160,9 @@ class TeleChatMoE(nn.Cell):
         length = max(cfg.seq_length, cfg.max_position_embeddings)
         cos, sin = rope_tables(cfg, length)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
-        self.causal = Tensor(np.tril(np.ones((cfg.seq_length, cfg.seq_length), dtype=np.bool_)))
+        # the dense kernel's [s, s] causal mask; flash attention reads the documents from the segment ids alone
+        self.causal = (Tensor(np.tril(np.ones((cfg.seq_length, cfg.seq_length), dtype=np.bool_)))
+                       if cfg.attention_kernel == "dense" else None)
         self.head_matmul = ops.MatMul(transpose_b=True)
 
     def tp_split_axes(self) -> dict[str, int]:
@@ -200,8 +202,8 @@ class TeleChatMoE(nn.Cell):
         return self.embed_tokens(input_ids)
 
     def attention_mask(self, segment_ids):
-        """What the attention kernel needs to keep documents apart: segment ids (varlen) or an additive bias."""
-        if self.cfg.attention_kernel == "varlen":
+        """What the attention kernel needs to keep documents apart: segment ids (flash) or an additive bias."""
+        if self.cfg.attention_kernel == "flash":
             return segment_ids
         return attention_bias(segment_ids, self.causal)
 
