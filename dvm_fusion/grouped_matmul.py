@@ -17,7 +17,7 @@ from functools import cache
 import mindspore as ms
 from mindspore import ops
 
-from dvm_fusion.native import library
+from dvm_fusion.native import aot_kernel, library
 
 
 class KernelClock:
@@ -46,16 +46,13 @@ def _same_dtype(*dtypes):
 def _cpu_ops():
     """The forward kernel with its backward (built on first use, so that an Ascend run never needs g++)."""
     lib = library("grouped_matmul")
-    dx = ops.Custom(f"{lib}:GroupedMatmulDx", out_shape=lambda dy, w, g: (dy[0], w[1]), out_dtype=_same_dtype,
-                    func_type="aot")
-    dw = ops.Custom(f"{lib}:GroupedMatmulDw", out_shape=lambda x, dy, g: (g[0], x[1], dy[1]), out_dtype=_same_dtype,
-                    func_type="aot")
+    dx = aot_kernel(lib, "GroupedMatmulDx", _same_dtype)
+    dw = aot_kernel(lib, "GroupedMatmulDw", _same_dtype)
 
     def bprop(x, w, group_sizes, out, dout):
         return dx(dout, w, group_sizes), dw(x, dout, group_sizes), ops.zeros_like(group_sizes)
 
-    return ops.Custom(f"{lib}:GroupedMatmul", out_shape=lambda x, w, g: (x[0], w[2]), out_dtype=_same_dtype,
-                      func_type="aot", bprop=bprop)
+    return aot_kernel(lib, "GroupedMatmul", _same_dtype, bprop)
 
 
 def grouped_matmul_cpu(x, w, group_sizes):

@@ -98,3 +98,14 @@ def each_float32(tensors: tuple) -> tuple:
     graph mode a comprehension over small's 90 gradients took 3 s of its first step's compile (measured); the
     HyperMap's cost is not measurable."""
     return _each(_float32, tensors)
+
+
+def aot_kernel(lib: Path, name: str, out_dtype, bprop=None):
+    """`ops.Custom` of the kernel `name` in `lib` whose output shape the library's `<name>InferShape` gives (MindSpore's
+    C++ shape inference): unlike a Python `out_shape`, it takes inputs whose row count a graph knows only at run time
+    (the exact expert exchange's). MindSpore 2.9 reads the primitive's `reg_op_name` on that path (without it: "The
+    pointer[value] is null" at compile)."""
+    kernel = ops.Custom(f"{lib}:{name}", out_shape=None, out_dtype=out_dtype, func_type="aot", bprop=bprop)
+    kernel.add_prim_attr("reg_op_name", name)
+    return kernel
+

@@ -28,7 +28,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from dvm_fusion.native import library
+from dvm_fusion.native import aot_kernel, library
 
 
 def _float32(*dtypes):
@@ -38,14 +38,12 @@ def _float32(*dtypes):
 @cache
 def _swiglu_cpu():
     lib = library("rowwise")
-    grad = ops.Custom(f"{lib}:SwigluPackedGrad", out_shape=lambda gate_up, dact: gate_up, out_dtype=_float32,
-                      func_type="aot")
+    grad = aot_kernel(lib, "SwigluPackedGrad", _float32)
 
     def bprop(gate_up, out, dout):
         return (grad(gate_up, dout),)
 
-    return ops.Custom(f"{lib}:SwigluPacked", out_shape=lambda gate_up: (gate_up[0], gate_up[1] // 2),
-                      out_dtype=_float32, func_type="aot", bprop=bprop)
+    return aot_kernel(lib, "SwigluPacked", _float32, bprop)
 
 
 def swiglu_packed_reference(gate_up):

@@ -1,7 +1,7 @@
 """What a recipe costs before anything is allocated: parameters, FLOPs per token, memory per device."""
 from __future__ import annotations
 
-from parallel.ep.capacity import exchange_rows
+from parallel.ep.capacity import routed_copies, sent_rows
 from parallel.optim.memory import accumulate_bytes, uses_distributed
 from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
 from telechat_moe.parallel_report import group_sizes
@@ -60,25 +60,26 @@ def report(r: Recipe) -> str:
               f"{mem['held'] / GIB:.2f})"]
     if r.layout.ep > 1:
         lines.append(exchange_line(r))
+    if r.context.device_target == "Ascend":
+        from telechat_moe.layout_rating import rating_line
+        lines.append(rating_line(r))
     return "\n".join(lines)
 
 
 def exchange_line(r: Recipe) -> str:
-    """The expert exchange's static buffer against the routed copies it carries (parallel/ep/capacity.py)."""
+    """The rows the expert exchange sends against the routed copies they carry (parallel/ep/capacity.py)."""
     m, lay = r.model, r.layout
     k, E, cf = m.num_experts_per_tok, m.n_routed_experts, m.moe_expert_capacity_factor
     tokens = r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // lay.tp \
         // m.moe_comm_chunks
     sizes = group_sizes(lay, m.moe_token_dispatcher_type)
     hierarchical = m.moe_token_dispatcher_type == "hierarchical"
-    sources, group = (sizes["ep_inter"], sizes["ep_node"]) if hierarchical else (1, sizes["ep"])
-    rows = group * int(exchange_rows(sources * tokens, k, E // sources // group, E, cf, sources))
+    copies = int(routed_copies(tokens, k, E, cf))
+    rows = int(sent_rows(copies, sizes["ep_node"] if hierarchical else sizes["ep"]))
     how = "dropless" if cf is None else f"capacity factor {cf}"
-    line = (f"expert exchange ({m.moe_token_dispatcher_type}, {how}): {rows:,} rows sent per rank, MoE layer and "
-            f"token slice for {sources * tokens * k:,} routed copies ({rows / (sources * tokens * k):.1f}x)")
-    if cf is None and rows > 2 * sources * tokens * k:
-        line += "; model.moe_expert_capacity_factor bounds it (copies over an expert's capacity are dropped)"
-    return line
+    where = " (in-node exchange; each token crosses once to each node holding its experts)" if hierarchical else ""
+    return (f"expert exchange ({m.moe_token_dispatcher_type}, {how}){where}: {rows:,} rows sent per rank, MoE layer "
+            f"and token slice for {copies:,} routed copies ({rows / copies:.1f}x)")
 
 
 def fit_problem(r: Recipe, machine_bytes: float, has_ascend: bool) -> str | None:

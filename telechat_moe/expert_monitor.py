@@ -67,13 +67,16 @@ class PlacementMonitor:
             self.logger.image(f"expert_load/router_{row}", path, step)
 
 
-def traffic_scalars(model, ep: int, traffic: np.ndarray) -> dict:
+def traffic_scalars(model, ep: int, traffic: np.ndarray, copies: float) -> dict:
     """Bytes the step's expert all-to-alls moved across and inside nodes, for the flat and the hierarchical
-    scheme, from every rank's routing (dispatch and combine, forward and backward). `model`: the recipe's model
-    section; `traffic`: the step's four routed-copy counts summed over ranks."""
+    scheme, from every rank's routing (dispatch and combine, forward and backward); the rows the dispatches sent
+    (ep_rows_sent: the routed copies and one pad row per member and exchange; the hierarchical form's rows across
+    nodes are (token, node) pairs) beside the routed copies. `model`: the recipe's model section; `traffic`: the
+    step's four routed-copy counts and the rows sent, summed over ranks; `copies`: the routed copies sent."""
     if ep == 1:
         return {}
     per_copy = token_bytes(model.hidden_size, DTYPE_BYTES[model.compute_dtype]) * STEP_MULTIPLIER
     names = ("ep_inter_node_bytes_flat", "ep_intra_node_bytes_flat", "ep_inter_node_bytes_hierarchical",
              "ep_intra_node_bytes_hierarchical")
-    return {name: float(copies) * per_copy for name, copies in zip(names, traffic)}
+    return {**{name: float(c) * per_copy for name, c in zip(names, traffic)}, "ep_rows_sent": float(traffic[4]),
+            "ep_routed_copies": float(copies)}

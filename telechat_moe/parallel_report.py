@@ -49,13 +49,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from math import prod
 
-from parallel.ep.capacity import exchange_rows
+from parallel.ep.capacity import routed_copies, sent_rows
 from parallel.planner import tp_traffic
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 PARAM_DTYPE = "float32"      # the dtype of every Parameter the model builds
 RESIDUAL = "float32"         # the residual stream, norms' outputs, routed tokens, gradients of float32 tensors
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v")
 DIRECTIONS = ("forward", "backward", "step")
 
 # Replicated weights inside a tensor-parallel region (telechat_moe.model.INSIDE_REGIONS; the test compares them): their
@@ -90,10 +90,10 @@ class Collective:
     where: str          # the module (layers.1.self_attn.o_proj); a shared module called for MTP: embed_tokens@mtp.0
     what: str
     direction: str      # forward | backward | step
-    kind: str           # all_reduce | all_gather | reduce_scatter | all_to_all
+    kind: str           # all_reduce | all_gather | reduce_scatter | all_to_all | all_to_all_v
     group: str          # tp | ep | ep_node | ep_inter | dp | edp | world
     group_size: int
-    shape: tuple        # as it enters the collective
+    shape: tuple        # as it enters the collective (all_to_all_v: its rows as expected, known at run time)
     dtype: str
     note: str = ""      # recompute: the forward's collective again in the backward; host: outside the step graph
 
@@ -109,8 +109,9 @@ class Collective:
 
     @property
     def key(self) -> tuple:
-        """What a recording transport sees: (kind, group size, shape, dtype)."""
-        return (self.kind, self.group_size, tuple(self.shape), self.dtype)
+        """What a recording transport sees: (kind, group size, shape, dtype); an uneven all-to-all's rows as -1."""
+        shape = (-1,) + tuple(self.shape[1:]) if self.kind == "all_to_all_v" else tuple(self.shape)
+        return (self.kind, self.group_size, shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -295,24 +296,24 @@ class _Rank:
         self.add(m, split[1:])
         self.swiglu(f"{m}.shared_experts", cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts)
 
-    def exchange(self, where: str, group: str, rows: int, experts: int, sources: int = 1):
-        """_ExpertExchange over `group`: the padded all-to-alls of the token copies (compute dtype) and of their
-        experts' tags (float32), the combine all-to-all of the results; the backward all-to-alls of both rows'
-        gradients. `rows` from `sources` ranks' tokens (parallel/ep/capacity.py sizes the buffers)."""
+    def exchange(self, where: str, group: str, rows: int, experts: int):
+        """_ExpertExchange over `group`: the copies per expert (a fixed-shape all-to-all, float32), the uneven
+        all-to-alls (AllToAllV) of the token copies and of the results in the compute dtype, the backward's reverse
+        ones. Their rows are known at run time: the routed copies of `rows` tokens (after any capacity drop) and one
+        pad row per member (parallel/ep/capacity.py), as listed."""
         cfg, h = self.cfg, self.h
         g, k, cf = self.sizes[group], cfg.num_experts_per_tok, cfg.moe_expert_capacity_factor
-        capacity = int(exchange_rows(rows, k, experts // g, cfg.n_routed_experts, cf, sources))
-        what = f"{capacity} rows per destination, {'dropless' if cf is None else f'capacity factor {cf}'}"
-        self.coll(where, f"dispatch AllToAll: token copies ({what})", "forward", "all_to_all", group,
-                  (g * capacity, h), self.cdt)
-        self.coll(where, "dispatch AllToAll: each row's expert", "forward", "all_to_all", group, (g * capacity,),
-                  "float32")
-        self.coll(where, "combine AllToAll: expert outputs", "forward", "all_to_all", group, (g * capacity, h),
+        sent = int(sent_rows(routed_copies(rows, k, cfg.n_routed_experts, cf), g))
+        what = f"{sent} rows, {'dropless' if cf is None else f'capacity factor {cf}'}"
+        self.coll(where, "dispatch AllToAll: copies per expert", "forward", "all_to_all", group,
+                  (g, experts // g), "float32")
+        self.coll(where, f"dispatch AllToAllV: token copies ({what})", "forward", "all_to_all_v", group, (sent, h),
                   self.cdt)
-        self.coll(where, "dispatch AllToAll backward: token copies' gradient", "backward", "all_to_all", group,
-                  (g * capacity, h), self.cdt)
-        self.coll(where, "combine AllToAll backward: outputs' gradient", "backward", "all_to_all", group,
-                  (g * capacity, h), self.cdt)
+        self.coll(where, "combine AllToAllV: expert outputs", "forward", "all_to_all_v", group, (sent, h), self.cdt)
+        self.coll(where, "dispatch AllToAllV backward: token copies' gradient", "backward", "all_to_all_v", group,
+                  (sent, h), self.cdt)
+        self.coll(where, "combine AllToAllV backward: outputs' gradient", "backward", "all_to_all_v", group,
+                  (sent, h), self.cdt)
 
     def dispatch(self, where: str, rows: int):
         cfg, h, k, E = self.cfg, self.h, self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
@@ -320,15 +321,20 @@ class _Rank:
             self.exchange(where, "ep", rows, E)
             return
         n = self.sizes["ep_inter"]
-        self.coll(where, "hierarchical: token rows to the nodes (+ tags, weights)", "forward", "all_to_all",
-                  "ep_inter", (n * rows, h + 2 * k), RESIDUAL)
-        self.coll(where, "hierarchical backward: rows' gradient from the nodes", "backward", "all_to_all", "ep_inter",
-                  (n * rows, h + 2 * k), RESIDUAL)
-        self.exchange(where, "ep_node", n * rows, E // n, n)
-        self.coll(where, "hierarchical: per-node sums back", "forward", "all_to_all", "ep_inter", (n * rows, h),
-                  self.cdt)
-        self.coll(where, "hierarchical backward: sums' gradient", "backward", "all_to_all", "ep_inter",
-                  (n * rows, h), self.cdt)
+        # (token, node) pairs: each token to each node holding any of its experts (expected under uniform
+        # routing), one pad row per node
+        pairs = round(rows * n * (1 - (1 - 1 / n) ** k)) + n
+        self.coll(where, "hierarchical: (token, node) pairs per node", "forward", "all_to_all", "ep_inter", (n,),
+                  "float32")
+        self.coll(where, f"hierarchical AllToAllV: token rows to the nodes (+ experts, weights; {pairs} expected)",
+                  "forward", "all_to_all_v", "ep_inter", (pairs, h + 2 * k), RESIDUAL)
+        self.coll(where, "hierarchical AllToAllV backward: rows' gradient from the nodes", "backward", "all_to_all_v",
+                  "ep_inter", (pairs, h + 2 * k), RESIDUAL)
+        self.exchange(where, "ep_node", rows, E // n)
+        self.coll(where, "hierarchical AllToAllV: per-node sums back", "forward", "all_to_all_v", "ep_inter",
+                  (pairs, h), self.cdt)
+        self.coll(where, "hierarchical AllToAllV backward: sums' gradient", "backward", "all_to_all_v", "ep_inter",
+                  (pairs, h), self.cdt)
 
     def decoder_layer(self, prefix: str, index: int):
         cfg, h = self.cfg, self.h
@@ -399,8 +405,9 @@ class _Rank:
         routers = cfg.num_moe_layers + cfg.num_nextn_predict_layers
         if world > 1:
             if routers:
-                self.coll("trainer", "expert load and dispatch traffic of every rank (host)", "step", "all_reduce",
-                          "world", (routers, cfg.n_routed_experts + 4), "float32", "host")
+                # (+ 5: moe.layer.ROUTING_STATS, the traffic counts and the rows sent)
+                self.coll("trainer", "expert load, dispatch traffic and rows sent of every rank (host)", "step",
+                          "all_reduce", "world", (routers, cfg.n_routed_experts + 5), "float32", "host")
             self.coll("trainer", "loss means over the ranks (host)", "step", "all_reduce", "world", (5,), "float32",
                       "host")
 

@@ -50,7 +50,7 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     parallelism whenever tp > 1. Every group is priced inside one node (so that the seconds are ring bytes): a
     hierarchical EP scheme is priced flat. The tensor-parallel and step figures equal model_volumes' for a
     sequence-parallel layout (both come from parallel/planner/tp_traffic.py), and so do the EP all-to-alls (the
-    padded buffers of parallel/ep/capacity.py: the planner's padded_exchange)."""
+    routed copies and pad rows of parallel/ep/capacity.py, and the copies per expert)."""
     import dataclasses
     import numpy as np
     from parallel.layout import RECOMPUTE
@@ -72,10 +72,10 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
                           grad_bytes=4, residual_bytes=DTYPE_BYTES[RESIDUAL])
     shape = dataclasses.replace(cfg.to_model_shape(), seq_length=seq)
     global_batch = batch * layout.dp * layout.micro_batch_num
-    w = Workload(shape, cluster, layout.world_size, seq, global_batch, precision, overlap_grad_reduce=False,
-                 padded_exchange=True)
+    w = Workload(shape, cluster, layout.world_size, seq, global_batch, precision, overlap_grad_reduce=False)
     scheme = "hierarchical" if cfg.moe_token_dispatcher_type == "hierarchical" else "flat"
-    lay = Layouts.of(dataclasses.replace(layout, micro_batch_size=batch, recompute=recompute, ep_overlap=False,
+    lay = Layouts.of(dataclasses.replace(layout, micro_batch_size=batch, recompute=recompute,
+                                         ep_overlap=cfg.moe_comm_chunks > 1,
                                          ep_scheme=scheme, devices_per_node=cluster.devices_per_node))
     b = block_costs(w, lay)
     mode = RECOMPUTE.index(recompute)

@@ -362,7 +362,8 @@ class Trainer:
                     self.placement.migrate(self.step)
                 if t.log_interval and (self.step % t.log_interval == 0 or self.step == 1) or done:
                     last = self.logger.log(self.step, values, loads,
-                                           scalars={**traffic_scalars(self.r.model, self.ep.ep, self.traffic),
+                                           scalars={**traffic_scalars(self.r.model, self.ep.ep, self.traffic,
+                                                                      loads.sum()),
                                                     **(self.placement.scalars() if self.placement else {})})
                 if (t.eval_interval and self.step % t.eval_interval == 0) or done:
                     eval_loss = self.held_out_loss()

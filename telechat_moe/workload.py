@@ -55,8 +55,8 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
     """The recipe's model on `devices` of `cluster` (a name, a YAML path or a loaded Cluster). Unset arguments take
     the recipe's own: its layout's device count, model.seq_length, training.global_batch_size, GEMMs in
     model.compute_dtype and the trainer's bytes per tensor kind (`recipe_precision`), of which `precision`
-    (`parse_precision`'s text) restates any. Its expert exchanges are this project's dispatchers' padded
-    buffers."""
+    (`parse_precision`'s text) restates any. Its expert exchanges move the routed copies, as this project's
+    dispatchers do."""
     if not isinstance(cluster, Cluster):
         try:
             cluster = load_cluster(cluster)
@@ -71,7 +71,7 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
     shape = dataclasses.replace(recipe.model.to_model_shape(), seq_length=seq)
     return Workload(shape, cluster, devices or recipe.layout.world_size, seq,
                     global_batch or recipe.training.global_batch_size, bytes_per_kind,
-                    shard_optimizer=recipe.parallel_config.optimizer_shard, padded_exchange=True)
+                    shard_optimizer=recipe.parallel_config.optimizer_shard)
 
 
 def recipe_ep_scheme(recipe) -> str:
@@ -81,12 +81,13 @@ def recipe_ep_scheme(recipe) -> str:
 
 def recipe_layout(recipe, w: Workload) -> ParallelLayout:
     """The recipe's own layout on the workload's cluster with what the planner chooses beside the degrees
-    (micro-batch size for the workload's global batch, recompute, EP scheme), as `python -m telechat_moe.plan --recipe R --cluster C
+    (micro-batch size for the workload's global batch, recompute, EP scheme, EP overlap: token slices), as `python -m telechat_moe.plan --recipe R --cluster C
     --evaluate ...` scores it."""
     lay = recipe.layout
     return dataclasses.replace(lay, devices_per_node=w.cluster.devices_per_node,
                                micro_batch_size=w.global_batch // (lay.dp * lay.micro_batch_num),
-                               recompute=recipe.recompute_config.mode, ep_scheme=recipe_ep_scheme(recipe))
+                               recompute=recipe.recompute_config.mode, ep_scheme=recipe_ep_scheme(recipe),
+                               ep_overlap=recipe.model.moe_comm_chunks > 1)
 
 
 def memory_limit(recipe, w: Workload) -> float:

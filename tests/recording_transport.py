@@ -6,7 +6,7 @@ create=False).axis(Axis.TP)`), so the layers read its size and this rank's index
 transport. The values are meaningless (an all-gather tiles its input g times, a reduce-scatter keeps the first 1/g of
 the rows, an all-reduce, an all-to-all and a broadcast return their input); the shapes are a real rank's. Each call
 appends `(kind, group size, tuple(shape), dtype name)` to `calls` (and to a shared `log`, if one is given), with the
-shape of the tensor as it enters the collective. Run the model in PyNative mode, where the collectives' Cells run
+shape of the tensor as it enters the collective (an uneven all-to-all's rows, known only at run time, as -1). Run the model in PyNative mode, where the collectives' Cells run
 their `bprop` as Python, so the backward's collectives are recorded too.
 
 `transports(layout, rank, log)` gives one per axis (dp, tp, ep, edp), a group of one rank getting
@@ -54,6 +54,15 @@ class RecordingTransport:
 
     def all_to_all(self, x):
         self._record("all_to_all", x)
+        return x
+
+    def all_to_all_v(self, x, send_counts, recv_counts):
+        # rows known only at run time: recorded as -1 (the report lists them so); this rank's own counts come back
+        # from the recording all-to-all, so what it receives is what it sent
+        entry = ("all_to_all_v", self.size, (-1,) + tuple(int(d) for d in x.shape[1:]), dtype_name(x.dtype))
+        self.calls.append(entry)
+        if self.log is not None:
+            self.log.append(entry + (self.name,))
         return x
 
     def broadcast(self, x, root: int = 0):

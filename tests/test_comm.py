@@ -58,3 +58,48 @@ def test_native_transport_calls_match_the_installed_primitives(monkeypatch):
     t.recv((2, 3), None)
     assert sorted(set(made)) == sorted(["AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Send",
                                         "Receive"])
+
+
+def test_native_uneven_all_to_all_binds_the_installed_alltoallv(monkeypatch):
+    """The Ascend transport's all_to_all_v: MindSpore's AlltoAllV built with parameters its installed signature has
+    (block_size: the elements of one row), called as MindFormers' dropless dispatcher calls it (a flat input, counts
+    of rows as int64 moved to the host by MoveTo), its flat output shaped back into
+    rows. AlltoAllV and MoveTo have no CPU kernel: stand-ins record the calls (a group of one gets back what it
+    sent); MoveTo's documented inputs are (input, to, blocking)."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import Tensor
+
+    params = set(inspect.signature(ops.AlltoAllV.__init__).parameters) - {"self"}
+    calls = []
+
+    class StandIn:
+        def __init__(self, **kwargs):
+            assert set(kwargs) <= params, f"ops.AlltoAllV takes {params}, got {set(kwargs)}"
+            self.kwargs = kwargs
+
+        def __call__(self, flat, send, recv):
+            calls.append((self.kwargs, flat.shape, send, recv))
+            return flat
+
+    moved = []
+
+    class MoveTo:
+        def __call__(self, x, to, blocking):
+            moved.append((to, blocking))
+            return x
+
+    assert not set(inspect.signature(ops.MoveTo.__init__).parameters) - {"self"}
+    for name in ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll"):
+        monkeypatch.setattr(transport.ops, name, lambda *a, **k: None)
+    monkeypatch.setattr(transport.ops, "AlltoAllV", StandIn)
+    monkeypatch.setattr(transport.ops, "MoveTo", MoveTo)
+    t = transport.NativeTransport(Group("hccl_group_0", (0, 1), 0))
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    y = t.all_to_all_v(Tensor(x), Tensor(np.array([2, 3], np.int32)), Tensor(np.array([4, 1], np.int32)))
+    assert np.array_equal(y.asnumpy(), x)
+    (kwargs, shape, send, recv), = calls
+    assert kwargs == {"group": "hccl_group_0", "block_size": 3} and shape == (15,)
+    assert send.dtype == recv.dtype == ms.int64
+    assert send.asnumpy().tolist() == [2, 3] and recv.asnumpy().tolist() == [4, 1]
+    assert moved == [("CPU", True)] * 2

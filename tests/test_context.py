@@ -15,9 +15,13 @@ from telechat_moe.context import HCCL_ENV, gb_text, hccl_environment, memory_set
 from telechat_moe.recipe import load_recipe
 from tests.helpers import ROOT, assert_one_line_error, run_cli, run_main
 
-# 105b on 4 nodes of 8 (the README's launch): pipeline_stage=1 (pipelines do not train yet), the routed experts spread
-# whole over the 32 devices (expert_parallel 4 x model_parallel 8), so that the static memory fits 55.5 GiB.
-FOUR_NODES = ["parallel_config.pipeline_stage=1", "parallel_config.expert_parallel_over_tp=true"]
+# 105b on 4 nodes of 8 (the README's launch) in MindFormers' split of it (dp=4, tp=8, ep=4, 32 micro-batches, one
+# token slice): pipeline_stage=1 (pipelines do not train yet), the routed experts spread whole over the 32 devices
+# (expert_parallel 4 x model_parallel 8), so that the static memory fits 55.5 GiB.
+MINDFORMERS_105B = ["parallel_config.data_parallel=4", "parallel_config.model_parallel=8",
+                    "parallel_config.pp_interleave_num=1", "parallel_config.expert_parallel=4",
+                    "parallel_config.micro_batch_num=32", "model.moe_comm_chunks=1"]
+FOUR_NODES = [*MINDFORMERS_105B, "parallel_config.pipeline_stage=1", "parallel_config.expert_parallel_over_tp=true"]
 # Every Ascend-only and once-per-process setting away from its default.
 ASCEND_CONTEXT = ["context.deterministic=ON", "context.memory_optimize_level=O1", "context.mempool_block_size_gb=55.5",
                   "context.hccl_connect_timeout=600", "context.hccl_exec_timeout=1800", "context.hccl_buffsize=256"]
@@ -322,7 +326,7 @@ LAUNCH_ERRORS = [
     ({"NNODES": "4", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}, [],
      ["parallel_config", "= 256 devices", "NNODES*DEVICES_PER_NODE = 4*8 = 32", "NNODES=32"]),
     # 32 devices, but the experts split only 4 ways: it does not fit the 55.5 GB of each device
-    ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, ["parallel_config.pipeline_stage=1"],
+    ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, [*MINDFORMERS_105B, "parallel_config.pipeline_stage=1"],
      ["218.9 GiB per device", "context.max_device_memory_gb=55.5"]),
     ({"NNODES": "4", "NODE_RANK": "1"}, FOUR_NODES, ["MASTER_ADDR", "NNODES=4"]),
     ({"NNODES": "4", "NODE_RANK": "4", "MASTER_ADDR": "10.0.0.1"}, FOUR_NODES, ["NODE_RANK", "0 to 3"]),

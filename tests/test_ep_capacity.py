@@ -9,7 +9,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import grouped_matmul_cpu
-from parallel.ep.capacity import expert_capacity, rows_per_destination
+from parallel.ep.capacity import expert_capacity, routed_copies, sent_rows
 from parallel.ep.permute import drop_over_capacity, segment_sum
 from telechat_moe.config import ModelConfig
 from telechat_moe.moe.layer import MoELayer
@@ -88,13 +88,14 @@ def test_drop_keeps_each_experts_first_copies_by_policy(policy):
     assert np.bincount(dropped_i[dropped_i >= 0], minlength=experts).max() == capacity
 
 
-def test_buffer_rows_dropless_and_with_capacity():
-    # dropless: every row of the source to at most min(k, experts there) of a destination's experts
-    assert rows_per_destination(64, 8, 4) == 256 and rows_per_destination(64, 2, 4) == 128
-    # capacity 1.25 of 64 tokens top-8 over 512 experts: ceil(1.25) = 2 copies an expert, 4 experts a destination
-    assert expert_capacity(64, 8, 512, 1.25) == 2 and rows_per_destination(64, 8, 4, 2) == 8
-    arrays = rows_per_destination(np.array([64, 64]), 8, np.array([4, 16]), np.array([2, 2]))
-    np.testing.assert_array_equal(arrays, [8, 32])
+def test_exchange_rows_dropless_and_with_capacity():
+    # dropless: every copy, plus one pad row per member of the group
+    assert routed_copies(64, 8, 512) == 512 and sent_rows(routed_copies(64, 8, 512), 128) == 640
+    # capacity 1.25 of 64 tokens top-8 over 512 experts: ceil(1.25) = 2 copies an expert, so all 512 copies fit;
+    # over 16 experts: ceil(40) = 40 an expert, 640 >= 512 fit; capacity 0.5 over 16: 16 an expert, 256 of 512
+    assert expert_capacity(64, 8, 512, 1.25) == 2 and routed_copies(64, 8, 512, 1.25) == 512
+    assert routed_copies(64, 8, 16, 1.25) == 512 and routed_copies(64, 8, 16, 0.5) == 256
+    np.testing.assert_array_equal(routed_copies(np.array([64, 64]), 8, 16, 0.5), [256, 256])
 
 
 def test_layer_with_a_capacity_that_drops_nothing_equals_the_dropless_layer():

@@ -19,7 +19,7 @@ def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world
                 "alltoall top-4 chunks=1 skewed ep=4 capacity=1.0 probs",
                 "hierarchical top-4 chunks=2 skewed ep=4 capacity=1.0 position", "collectives"} <= cases
         collectives = [next(c for c in results if c["case"] == "collectives") for results in ranks]
-        assert all(len(c["errors"]) == 42 + (rank in (1, 2)) for rank, c in enumerate(collectives))
+        assert all(len(c["errors"]) == 48 + (rank in (1, 2)) for rank, c in enumerate(collectives))
     for rank, results in enumerate(ranks):
         for case in results:
             loads = case["tokens_per_expert"]

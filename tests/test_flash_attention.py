@@ -358,7 +358,8 @@ def test_mla_flash_equals_dense_forward_and_every_gradient():
         loss = Loss(cell)
         step = ms.value_and_grad(loss, grad_position=0, weights=loss.trainable_params(), has_aux=True)
         (_, out), (dx, dweights) = step(x, cos, sin, mask, dout)
-        return [out.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dweights], [p.name for p in loss.trainable_params()]
+        grads = [out.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dweights]
+        return grads, [p.name for p in loss.trainable_params()]
 
     want, names = run(dense, bias)
     got, _ = run(flash, seg)

@@ -83,16 +83,18 @@ def test_keys_of_hand_made_placements(name, monkeypatch):
 
 
 def test_the_recipes_own_layouts_through_the_command(tmp_path, capsys, monkeypatch):
-    """105b's own layout (p=8, 1F1B) and tiny on 2 devices with pp=2: the file the command writes holds the keys of the
-    trainer's placement, and MindFormers reads every layer back onto the plan's stage."""
-    for name, args in (("105b", []), ("tiny", ["--devices", "2", "--evaluate", "pp=2"])):
+    """105b's recipe degrees as 1F1B (p=4, no virtual stages) and tiny on 2 devices with pp=2: the file the command
+    writes holds the keys of the trainer's placement, and MindFormers reads every layer back onto the plan's stage.
+    (105b's own interleaved layout: as 1t's, below.)"""
+    for name, args in (("105b", ["--evaluate", "tp=2,pp=4,ep=64,m=4"]), ("tiny", ["--devices", "2", "--evaluate",
+                                                                              "pp=2"])):
         out = tmp_path / f"{name}.yaml"
         assert main(["--recipe", name, *args, "--export-mindformers", str(out)]) == 0
         assert capsys.readouterr().out.endswith(f"wrote MindFormers' pipeline keys to {out}\n")
         keys = yaml.safe_load(out.read_text())
         recipe = load_recipe(name)
-        w = recipe_workload(recipe, "ascend910b", 2 if args else None)
-        layout = parse_layout(args[-1], w, recipe) if args else recipe_layout(recipe, w)
+        w = recipe_workload(recipe, "ascend910b", 2 if name == "tiny" else None)
+        layout = parse_layout(args[-1], w, recipe)
         placement = recipe_placement(recipe, w, layout)
         assert keys == export(placement, "1f1b", layout.micro_batch_num).recipe_keys()
         assert keys["parallel_config"] == {"pipeline_stage": layout.pp, "micro_batch_num": layout.micro_batch_num}

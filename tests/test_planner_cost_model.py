@@ -114,18 +114,16 @@ def test_ep_overlap_never_slower_and_hierarchical_pays_off_only_for_wide_routing
 
 def test_an_uneven_expert_placement_slows_the_moe_layer_by_its_expert_compute():
     lay = Layouts.of(ParallelLayout(tp=1, pp=1, dp=256, ep=32, micro_batch_num=2, micro_batch_size=1))
-    for padded in (True, False):
-        w = dataclasses.replace(W, padded_exchange=padded)
-        even, skewed = (block_costs(dataclasses.replace(w, expert_load=f), lay).moe for f in (1.0, 1.5))
-        c = Costing(w, lay)
-        # the most loaded rank's grouped GEMMs: 1.5x the rows of each local expert
-        rows = c.Tl * W.shape.top_k / (W.shape.num_routed_experts / c.ep)
-        e1 = [c.gemm(r, W.shape.hidden_size, 2 * W.shape.moe_intermediate, W.shape.num_routed_experts / c.ep)[0]
-              for r in (rows, 1.5 * rows)]
-        assert skewed.fwd_compute[0] - even.fwd_compute[0] >= (e1[1] - e1[0])[0] > 0
-        assert skewed.bwd_compute[0] > even.bwd_compute[0]
-        # padded buffers are sized for the worst case already; the routed copies' exchange waits for the receiver
-        assert (skewed.fwd_comm[0] > even.fwd_comm[0]) == (not padded)
+    even, skewed = (block_costs(dataclasses.replace(W, expert_load=f), lay).moe for f in (1.0, 1.5))
+    c = Costing(W, lay)
+    # the most loaded rank's grouped GEMMs: 1.5x the rows of each local expert
+    rows = c.Tl * W.shape.top_k / (W.shape.num_routed_experts / c.ep)
+    e1 = [c.gemm(r, W.shape.hidden_size, 2 * W.shape.moe_intermediate, W.shape.num_routed_experts / c.ep)[0]
+          for r in (rows, 1.5 * rows)]
+    assert skewed.fwd_compute[0] - even.fwd_compute[0] >= (e1[1] - e1[0])[0] > 0
+    assert skewed.bwd_compute[0] > even.bwd_compute[0]
+    # the exchange of the routed copies waits for the most loaded receiver
+    assert skewed.fwd_comm[0] > even.fwd_comm[0]
     steps = [evaluate(dataclasses.replace(W, expert_load=f), lay)["step_time"][0] for f in (1.0, 1.2, 1.5)]
     assert steps[0] < steps[1] < steps[2]
 
@@ -140,9 +138,9 @@ def test_tensor_and_expert_parallelism_shrink_weights():
 def test_tensor_parallel_terms_are_priced_where_the_model_issues_them():
     """tp_traffic's collectives through the cost model's own all_gather / all_reduce: a dense layer's four sequence
     collectives each way as before; the embedding's collectives on the first stage, the head's cross-entropy
-    statistics forward only, the router's sums in an MoE layer's forward; the weights replicated over tp (those whose
-    count does not shrink with tp) all-reduced after the backward, never hidden behind it (the data-parallel
-    reduce-scatter is)."""
+    statistics forward only, the router's sums (and the expert exchange's counts) in an MoE layer's forward; the
+    weights replicated over tp (those whose count does not shrink with tp) all-reduced after the backward, never
+    hidden behind it (the data-parallel reduce-scatter is)."""
     lay = Layouts.of(ParallelLayout(tp=8, pp=1, dp=32, ep=8, micro_batch_num=4, micro_batch_size=1))
     one = Layouts.of(ParallelLayout(tp=1, pp=1, dp=256, ep=8, micro_batch_num=4, micro_batch_size=1))
     c, b, h = Costing(W, lay), block_costs(W, lay), TELECHAT3_105B.hidden_size
@@ -153,7 +151,7 @@ def test_tensor_parallel_terms_are_priced_where_the_model_issues_them():
     assert b.embedding.fwd_comm[0] == pytest.approx(residual, rel=1e-12) == b.embedding.bwd_comm[0]
     stats = c.all_gather(8 * T * FP32, c.tp) + 2 * c.all_reduce(T * FP32, c.tp)
     assert b.head.fwd_comm[0] - b.head.bwd_comm[0] == pytest.approx(stats[0], rel=1e-12)
-    router = 2 * c.all_reduce(E * FP32, c.tp)
+    router = 2 * c.all_reduce(E * FP32, c.tp) + c.all_to_all(E * FP32, c.ep, c.etp)
     assert b.moe.fwd_comm[0] - b.moe.bwd_comm[0] == pytest.approx(router[0], rel=1e-12)
     st = even_stage(W, lay, np.array([0]))
     first = stage_time(W, b, st)[0] - stage_time(W, b, dataclasses.replace(st, embedding=np.zeros(1)))[0]

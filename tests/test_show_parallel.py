@@ -35,16 +35,19 @@ SMALL = ["model.seq_length=16", "model.max_position_embeddings=16", "model.origi
          "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4",
          "model.v_head_dim=8", "model.moe_intermediate_size=16", "model.moe_shared_expert_intermediate_size=16",
          "model.num_hidden_layers=2", "training.global_batch_size=2"]
-# 105b's layout (tp=8 with sequence parallelism, ep=4 folded over the tensor ranks, dp=4, 32 micro-batches) on one
-# pipeline stage, at small sizes: 8 experts so that a rank's 2 are fewer than top-4 (the capacity's min), float32 on
-# CPU, no recompute (PyNative)
+# MindFormers' 105b layout (tp=8 with sequence parallelism, ep=4 folded over the tensor ranks, dp=4, 32
+# micro-batches) on one pipeline stage, at small sizes: 8 experts, 2 a rank, fewer than top-4; float32 on CPU, no
+# recompute (PyNative)
 SMALL_105B = ["model.seq_length=16", "model.max_position_embeddings=16", "model.original_max_position_embeddings=16",
               "model.hidden_size=32", "model.vocab_size=64", "model.num_attention_heads=8",
               "model.intermediate_size=64", "model.q_lora_rank=16", "model.kv_lora_rank=16",
               "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8", "model.n_routed_experts=8",
               "model.moe_intermediate_size=16", "model.moe_shared_expert_intermediate_size=16",
               "model.num_hidden_layers=2", "model.compute_dtype=float32", "context.device_target=CPU",
-              "parallel_config.pipeline_stage=1", "recompute_config.recompute=false"]
+              "parallel_config.pipeline_stage=1", "recompute_config.recompute=false",
+              "parallel_config.data_parallel=4", "parallel_config.model_parallel=8",
+              "parallel_config.pp_interleave_num=1", "parallel_config.expert_parallel=4",
+              "parallel_config.micro_batch_num=32", "model.moe_comm_chunks=1"]
 
 CASES = {
     "tiny tp2 ep2 float16": ("tiny", SMALL + ["parallel_config.model_parallel=2", "parallel_config.expert_parallel=2",
@@ -188,12 +191,13 @@ def ring(g, nbytes, all_reduce=False):
 @pytest.mark.parametrize("name,sets", [
     ("tiny", ["parallel_config.model_parallel=2", "parallel_config.use_seq_parallel=true",
               "parallel_config.expert_parallel=2"]),
-    ("105b", []),                                        # the recipe itself: pp=8 (stage 7), bfloat16, recompute full
-    ("105b", ["parallel_config.pipeline_stage=1", "recompute_config.recompute=false", "training.global_batch_size=256",
+    ("105b", []),                                        # the recipe itself: pp=4 x vpp=6, bfloat16, 2 token slices
+    ("105b", ["parallel_config.pipeline_stage=1", "parallel_config.pp_interleave_num=1",
+              "recompute_config.recompute=false", "training.global_batch_size=256",
               "model.moe_device_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]),
     ("105b", ["model.moe_expert_capacity_factor=1.25"]),
-    ("1t", []),
-    ("1t", ["model.moe_expert_capacity_factor=1.0"]),
+    ("1t", ["model.moe_token_dispatcher_type=alltoall"]),     # (the recipe's hierarchical form is priced flat)
+    ("1t", ["model.moe_token_dispatcher_type=alltoall", "model.moe_expert_capacity_factor=1.0"]),
 ])
 def test_planner_prices_the_collectives_the_model_issues(name, sets):
     """Per block and direction, the model's wire bytes (the report, which the test above checks against the model)
@@ -215,9 +219,9 @@ def test_planner_prices_the_collectives_the_model_issues(name, sets):
       experts' over edp likewise; over tp the all-reduce of every replicated weight's partial gradient (under
       sequence parallelism: norms, q_a / kv_a and their norms, routers, MTP's norms) and the norm's scalar; over
       ep the norm's scalar.
-    - EP: per direction a dispatch and a combine all-to-all of ep x C rows of h at ab, where C, the rows to each
-      destination, is T/tp x min(k, E/ep) dropless, or with a capacity factor c at most E/ep x ceil(c x T/tp x
-      k / E) (each expert's capacity); forward also each row's expert, a float32 [ep x C].
+    - EP: per direction a dispatch and a combine uneven all-to-all of the routed copies and one pad row per member
+      (rows of h at ab): T/tp x k copies dropless, or with a capacity factor at most every expert's capacity; forward
+      also the copies per expert, a float32 [E]; each of model.moe_comm_chunks token slices its own.
     """
     recipe = load_recipe(name, sets)
     rep = recipe_report(recipe)
@@ -233,9 +237,10 @@ def test_planner_prices_the_collectives_the_model_issues(name, sets):
     router = 2 * ring(t, b * E * 4, True) + (cfg.moe_device_aux_loss_coeff > 0) * 2 * ring(t, E * 4, True) \
         + (cfg.moe_z_loss_coeff > 0) * ring(t, 4, True)
     lookup = ring(t, T * h * f32)
-    cf, worst = cfg.moe_expert_capacity_factor, (T // t) * min(k, E // ep)
-    rows = ep * (worst if cf is None else min(worst, E // ep * int(np.ceil(cf * (T // t) * k / E))))
-    ep_fwd = 2 * ring(ep, rows * h * ab) + ring(ep, rows * 4)
+    cf, c = cfg.moe_expert_capacity_factor, cfg.moe_comm_chunks
+    copies = T // t // c * k                     # each token slice exchanges its own copies, pads and counts
+    rows = c * (ep + (copies if cf is None else min(copies, E * int(np.ceil(cf * (T // t // c) * k / E)))))
+    ep_fwd = 2 * ring(ep, rows * h * ab) + c * ring(ep, E * 4)
     ep_bwd = 2 * ring(ep, rows * h * ab)
     partial = sum(w.numel for w in rep.weights if "tp" in w.reduced_over)
     expect = {  # the model's figure; the planner's is equal

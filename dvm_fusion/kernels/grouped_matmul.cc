@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -131,5 +132,18 @@ int GroupedMatmulDw(int nparam, void **params, int *, int64_t **shapes, const ch
 
 // Seconds spent inside the three kernels since the last call (dvm_fusion.grouped_matmul.KERNEL_CLOCK).
 double GroupedMatmulTakeSeconds() { return busy_ns.exchange(0) * 1e-9; }
+
+// Output shapes, for MindSpore's C++ shape inference (`out_shape=None` in grouped_matmul.py): the exact expert
+// exchange gives the experts a row count known only at run time (-1 here), which a Python `out_shape` cannot take.
+class AotExtra;
+std::vector<int64_t> GroupedMatmulInferShape(int *, int64_t **shapes, AotExtra *) { return {shapes[0][0], shapes[1][2]}; }
+
+std::vector<int64_t> GroupedMatmulDxInferShape(int *, int64_t **shapes, AotExtra *) {
+  return {shapes[0][0], shapes[1][1]};
+}
+
+std::vector<int64_t> GroupedMatmulDwInferShape(int *, int64_t **shapes, AotExtra *) {
+  return {shapes[2][0], shapes[0][1], shapes[1][1]};
+}
 
 }  // extern "C"

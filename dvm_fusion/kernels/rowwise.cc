@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "exp_poly.h"
 
@@ -344,6 +345,17 @@ int WeightedCombineGrad(int nparam, void **params, int *, int64_t **shapes, cons
     dweight[r] = dot;
   }
   return 0;
+}
+
+// Output shapes for MindSpore's C++ shape inference, as in grouped_matmul.cc: the experts' rows may be known only
+// at run time (-1).
+class AotExtra;
+std::vector<int64_t> SwigluPackedInferShape(int *, int64_t **shapes, AotExtra *) {
+  return {shapes[0][0], shapes[0][1] < 0 ? shapes[0][1] : shapes[0][1] / 2};
+}
+
+std::vector<int64_t> SwigluPackedGradInferShape(int *, int64_t **shapes, AotExtra *) {
+  return {shapes[0][0], shapes[0][1]};
 }
 
 }  // extern "C"

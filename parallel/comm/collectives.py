@@ -10,6 +10,7 @@ Each Cell wraps one transport (one group). Forward and backward are each one col
 | `GatherFromGroup` | all-gather (axis 0) | reduce-scatter | sequence-parallel input of a column-parallel layer |
 | `ReduceScatterToGroup` | reduce-scatter (axis 0) | all-gather | sequence-parallel output of a row-parallel layer |
 | `AllToAll` | all-to-all (axis 0) | all-to-all | expert dispatch and combine |
+| `AllToAllV` | uneven all-to-all (axis 0) | the reverse one | dropless expert dispatch and combine |
 | `Broadcast` | root's value to all | sum to the root | replicated state |
 
 The gradient conventions are those of a sum of the members' losses: the backward of an all-gather sums, at each
@@ -75,6 +76,17 @@ class AllToAll(_Collective):
 
     def bprop(self, x, out, dout):
         return (self.t.all_to_all(dout),)
+
+
+class AllToAllV(_Collective):
+    """x [n, w] holding send_counts[j] rows for member j -> the recv_counts[j] rows each member j sent here."""
+
+    def construct(self, x, send_counts, recv_counts):
+        return self.t.all_to_all_v(x, send_counts, recv_counts)
+
+    def bprop(self, x, send_counts, recv_counts, out, dout):
+        return (self.t.all_to_all_v(dout, recv_counts, send_counts), ops.zeros_like(send_counts),
+                ops.zeros_like(recv_counts))
 
 
 class Broadcast(_Collective):

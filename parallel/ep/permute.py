@@ -1,11 +1,14 @@
 """Token permutation by expert: the order every dispatcher sorts routed token copies into, each expert's group
-size, and the drop of copies beyond an expert's capacity (`capacity.py` sizes it). Pure functions of the routing,
-shared by the model's dispatchers and the alignment harness's expert-parallel emulation, so both permute
-identically."""
+size, the places of rows moved between segment orders (`key_places`, `regroup`: the dropless exchange's, whose row
+counts a graph may know only at run time), and the drop of copies beyond an expert's capacity (`capacity.py`
+sizes it). Pure functions of the routing, shared by the model's dispatchers and the alignment harness's
+expert-parallel emulation, so both permute identically."""
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import nn, ops
+
+from parallel.comm.transport import row_index, segment_of
 
 
 def stable_order(keys):
@@ -19,6 +22,32 @@ def expert_group_sizes(flat_expert, num_experts: int):
     """int32 [E]: how many of the dispatched rows go to each expert (constant under the gradient)."""
     sizes = ops.one_hot(flat_expert, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(0)
     return ops.stop_gradient(sizes).astype(ms.int32)
+
+
+def key_places(keys, num_keys: int):
+    """Where each row goes when rows are grouped by `keys` [n] in [0, num_keys) (stable inside a key), and how many
+    rows each key has: (places [n], counts [num_keys]), int32 and constant under the gradient."""
+    one_hot = ops.one_hot(keys, num_keys, ops.ones((), ms.int32), ops.zeros((), ms.int32))
+    counts = one_hot.sum(0)
+    before = ((ops.cumsum(one_hot, 0) - one_hot) * one_hot).sum(1)
+    return ops.stop_gradient(ops.gather(ops.cumsum(counts, 0) - counts, keys, 0) + before), ops.stop_gradient(counts)
+
+
+def regroup(counts, rows):
+    """Rows held in segments (a, b) in a-major order, `counts` [A, B] int32 rows each, `rows` their `row_index`,
+    regrouped b-major: for each row of the b-major order its row in the a-major one (gather with it to regroup), and
+    for each a-major row its place in the b-major order (gather with it to go back). The expert exchange's received
+    rows: source-major as they arrive, expert-major for the grouped matmul."""
+    a, b = counts.shape
+    by_a, by_b = counts.reshape(-1), counts.transpose(1, 0).reshape(-1)
+    start_a = (ops.cumsum(by_a, 0) - by_a).reshape(a, b).transpose(1, 0).reshape(-1)   # b-major segment -> a start
+    start_b = ops.cumsum(by_b, 0) - by_b
+    in_b = segment_of(rows, ops.cumsum(by_b, 0))
+    from_a = ops.gather(start_a, in_b, 0) + rows - ops.gather(start_b, in_b, 0)
+    in_a = segment_of(rows, ops.cumsum(by_a, 0))
+    segment_b = (in_a % b) * a + in_a // b
+    to_b = ops.gather(start_b, segment_b, 0) + rows - (ops.gather(ops.cumsum(by_a, 0) - by_a, in_a, 0))
+    return ops.stop_gradient(from_a), ops.stop_gradient(to_b)
 
 
 class _SegmentSum(nn.Cell):

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from parallel.ep.capacity import exchange_rows
+from parallel.ep.capacity import routed_copies, sent_rows
 from parallel.planner import tp_traffic
 from parallel.planner.workload import FP32, Layouts, Workload
+
+
+# A blocking device-to-host copy of a few int64 counts before each uneven all-to-all (MoveTo, then AlltoAllV reads
+# them on the host), in operator launch gaps (the cluster's op_overhead): assumed, not measured (no Ascend here).
+HOST_SYNC_OPS = 10
 
 
 class Costing:
@@ -105,56 +110,55 @@ class Costing:
         return n * self.c.op_overhead
 
     def ep_copies(self):
-        """(rows of one flat EP exchange's send buffer, those of the hierarchical in-node exchange) a device sends
-        per micro-batch: this project's static buffers (parallel/ep/capacity.py: dropless worst case, or the
-        experts' capacity) under padded_exchange, else the routed copies T/tp x k themselves."""
-        s, k, E = self.s, self.s.top_k, self.s.num_routed_experts
+        """(rows one flat EP exchange sends, rows the hierarchical in-node exchange sends) per device and
+        micro-batch: the exact exchange's routed copies T/tp x k (after any capacity drop; the most loaded rank
+        receives expert_load x the mean) and one pad row per member of the group and token slice
+        (parallel/ep/capacity.py)."""
+        s, k = self.s, self.s.top_k
         nodes, local = self.group_span(self.ep, self.etp)
-        if not self.w.padded_exchange:      # the most loaded rank receives expert_load x the mean
-            return self.Tl * k * self.w.expert_load, self.Tl * k * self.w.expert_load
-        cf = s.expert_capacity_factor
-        flat = self.ep * exchange_rows(self.Tl, k, E / self.ep, E, cf)
-        inner = local * exchange_rows(nodes * self.Tl, k, E / self.ep, E, cf, nodes)
-        return flat, inner
+        copies = routed_copies(self.Tl, k, s.num_routed_experts, s.expert_capacity_factor) * self.w.expert_load
+        return sent_rows(copies, self.ep * self.slices), sent_rows(copies, local * self.slices)
+
+    @property
+    def slices(self):
+        """Token slices of an MoE layer, each its own exchange: two under EP overlap (model.moe_comm_chunks)."""
+        return np.where(self.lay.ep_overlap == 1, 2, 1)
 
     def ep_all_to_all(self):
         """(forward, backward) seconds of one EP dispatch (token rows in `dispatch_bytes`) plus one combine (in
-        activation bytes), including the gather / reduce-scatter over expert tensor parallelism. Padded buffers
-        also carry each row's expert as a float32 tag, forward only. Hierarchical: the rows cross to every node
-        (with their experts and weights in the residual dtype there, the sums back in activation bytes), then an
-        in-node exchange."""
-        s, h, k = self.s, self.s.hidden_size, self.s.top_k
+        activation bytes), including the gather / reduce-scatter over expert tensor parallelism, as the exact
+        exchange runs (telechat_moe/moe/dispatch.py): the forward first exchanges the per-expert counts (a
+        fixed-shape all-to-all); every uneven all-to-all moves its counts to the host first (HOST_SYNC_OPS, as
+        MindFormers' AlltoAllV dispatcher), then the rows. Hierarchical: each token crosses once to each distinct
+        node holding any of its experts (with its experts and weights in the residual dtype there, the sums back
+        in activation bytes), then the in-node exchange of the copies; node_dedup prices the two legs overlapped."""
+        s, h, k, E = self.s, self.s.hidden_size, self.s.top_k, self.s.num_routed_experts
         nodes, local = self.group_span(self.ep, self.etp)
         flat_rows, inner_rows = self.ep_copies()
-        padded = self.w.padded_exchange
-        tag = FP32 if padded else 0.0
         rb = float(self.w.precision.residual_bytes)
+        # each token crosses to each distinct destination node once (and one pad row goes to every node)
+        distinct = nodes * (1 - (1 - 1 / nodes) ** k)
+        if s.topk_group:
+            distinct = np.minimum(distinct, s.topk_group)
+        scheme = self.lay.ep_scheme
+        hierarchical = (nodes > 1) & (scheme == 1)
+        exchanges = np.where(hierarchical, 4, 2) * self.slices     # uneven all-to-alls: dispatch + combine
         directions = []
         for forward in (True, False):
-            total = 0.0
-            tags = tag if forward else 0.0
+            total = self.ops((self.ep > 1) * exchanges * 2 * HOST_SYNC_OPS)   # each one's counts, to the host
+            if forward:
+                total = total + self.slices * np.where(hierarchical, self.all_to_all(nodes * FP32, nodes, self.dpn)
+                                                       + self.all_to_all(E / nodes * FP32, local, self.etp),
+                                                       self.all_to_all(E * FP32, self.ep, self.etp))
             for leg, nbytes in (("dispatch", self.w.precision.dispatch_bytes or self.ab), ("combine", self.ab)):
                 flat = self.all_to_all(flat_rows * h * nbytes, self.ep, self.etp)
                 inner = self.all_to_all(inner_rows * h * nbytes, local, self.etp)
-                if padded:      # the model's rows to the nodes (+ experts, weights) and the nodes' sums back
-                    row = (h + 2 * k) * rb if leg == "dispatch" else h * self.ab
-                    cross = self.all_to_all(nodes * self.Tl * row, nodes, self.dpn)
-                else:           # all-gather across nodes among devices with the same local index
-                    cross = self.all_gather(nodes * self.Tl * h * nbytes, nodes, self.dpn)
-                hier = cross + inner
-                # each token crosses to each distinct destination node once, then is forwarded inside the node
-                distinct = nodes * (1 - (1 - 1 / nodes) ** k)
-                if s.topk_group:
-                    distinct = np.minimum(distinct, s.topk_group)
-                cross = self.Tl * h * nbytes * distinct * (nodes - 1) / nodes
-                dedup = (np.maximum(cross / self.inter_bw, self.Tl * k * h * nbytes * (local - 1) / local
+                row = (h + 2 * k) * rb if leg == "dispatch" else h * self.ab
+                hier = self.all_to_all((self.Tl * distinct + self.slices) * row, nodes, self.dpn) + inner
+                crossing = self.Tl * h * nbytes * distinct * (nodes - 1) / nodes
+                dedup = (np.maximum(crossing / self.inter_bw, self.Tl * k * h * nbytes * (local - 1) / local
                                     / self.intra_bw) + self.peer_latency(local - 1, nodes - 1))
-                scheme = self.lay.ep_scheme
                 total = total + np.where(nodes > 1, np.select([scheme == 1, scheme == 2], [hier, dedup], flat), flat)
                 total = total + self.all_gather(self.Tl * k * self.etp * h * nbytes, self.etp)
-            if tags:
-                tag_flat = self.all_to_all(flat_rows * tags, self.ep, self.etp)
-                tag_hier = self.all_to_all(inner_rows * tags, local, self.etp)
-                total = total + np.where((nodes > 1) & (self.lay.ep_scheme == 1), tag_hier, tag_flat)
             directions.append(total)
         return tuple(directions)

@@ -42,12 +42,9 @@ class Workload:
     precision: Precision = Precision()
     shard_optimizer: bool = True
     overlap_grad_reduce: bool = True  # DP reduce-scatter / all-gather hidden behind the last backward / first forward
-    # the EP exchanges move static padded buffers, as this project's dispatchers do (parallel/ep/capacity.py), not
-    # exactly the routed copies (a variable-size all-to-all: Megatron's dropless dispatcher, DeepEP)
-    padded_exchange: bool = False
     # max/mean routed token copies over the EP ranks (1: balanced, what routing balance alone aims at): the most
     # loaded rank computes that many times the mean copies and the combine waits for it, so it sets every rank's
-    # expert time (and, without padded buffers, its receive sets the exchange's); how an expert placement is priced
+    # expert time (and its receive sets the exchange's); how an expert placement is priced
     expert_load: float = 1.0
     # share (0..1) of the activations kept for the backward that waits in host memory (module docstring)
     activation_offload: float = 0.0

@@ -2,7 +2,8 @@
 
 Every dispatcher has the two methods of Megatron-Core's: `dispatch(x, indices, weights)` returns the token copies
 this rank's experts compute, sorted by (local) expert, with the size of each expert's group and a state;
-`combine(expert_out, state)` returns the weighted sum per token of the rank's own tokens. All three carry every copy
+`combine(expert_out, state)` returns the weighted sum per token of the rank's own tokens; `sent_rows(state)` the
+rows this rank's exchanges sent (the step log's measure of what travelled). All three carry every copy
 the routing gives them, whatever its skew (a copy dropped to capacity comes as expert -1 and is skipped):
 
 - `LocalDispatcher`: every expert on this device (expert_parallel=1).
@@ -13,11 +14,14 @@ the routing gives them, whatever its skew (a copy dropped to capacity comes as e
   the copies to their experts' ranks. Combine runs the reverse: each node sums its experts' weighted outputs of a
   token, and the token's home rank adds the nodes' sums.
 
-Graph mode needs static shapes, so each exchange sends every destination a buffer of the same rows
-(`parallel.ep.capacity`): dropless by default (room for the most copies one source can send one destination), or,
-with `moe_expert_capacity_factor`, its experts' capacity (copies beyond an expert's capacity were dropped before
-the dispatch: `drop_over_capacity`). The token rows travel in the compute dtype (the experts compute in it), the
-local expert of each row as a float32 tag beside them (0: padding); the padding carries no gradient.
+The exchanges are exact (dropless without padding), as Megatron-Core's and MindFormers' `alltoall` dispatchers:
+the copies per (destination, expert) are counted and exchanged first (a fixed-shape all-to-all of E/ep counts per
+member), then the uneven all-to-all (`AllToAllV`) moves exactly the routed copies, sorted by destination and expert.
+The receiver regroups the rows it gets from source-major to expert-major by those counts, so the grouped matmul
+runs on the real rows only (its last group ends at its last row). The rows a rank receives are known only at run
+time: graph mode's dynamic shape (docs/expert-exchange.md says what was measured). Token rows travel in the
+compute dtype (the experts compute in it); the hierarchical form sends each token's experts in a node and their
+weights beside it (as node-local expert + 1, 0 for none, and the weights: no gradient through the labels).
 """
 from __future__ import annotations
 
@@ -27,9 +31,9 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from dvm_fusion.rowwise import WeightedCombineCPU
-from parallel.comm import AllToAll, ProcessGroups, transport_for
-from parallel.ep.capacity import exchange_rows
-from parallel.ep.permute import expert_group_sizes, segment_sum, stable_order
+from parallel.comm import AllToAllV, ProcessGroups, transport_for
+from parallel.comm.transport import row_index
+from parallel.ep.permute import expert_group_sizes, key_places, regroup, segment_sum, stable_order
 from parallel.layout import Axis, ParallelLayout
 
 
@@ -52,6 +56,9 @@ class LocalDispatcher(nn.Cell):
         sizes = expert_group_sizes(key, self.num_experts + 1)[:self.num_experts]
         return tokens, sizes, (token_of_sorted, w_sorted, x.shape[0])
 
+    def sent_rows(self, state):
+        return ops.zeros((), ms.float32)
+
     def combine(self, expert_out, state):
         """expert_out [T*k, h] in dispatch order -> [T, h]."""
         token_of_sorted, w_sorted, t = state
@@ -61,113 +68,116 @@ class LocalDispatcher(nn.Cell):
                                         token_of_sorted, t)
 
 
-def _slots(dest, groups: int, capacity: int):
-    """Where each row goes in a padded send buffer: destination `dest[i]` in [0, groups] (`groups` = nowhere) ->
-    slot dest*capacity + (rows before it with the same destination), `groups*capacity` for nowhere."""
-    one_hot = ops.one_hot(dest, groups + 1, ops.ones((), ms.float32), ops.zeros((), ms.float32))
-    before = (ops.cumsum(one_hot, 0) * one_hot).sum(1) - 1
-    return ops.stop_gradient(ops.minimum(dest * capacity + before.astype(ms.int32), groups * capacity))
-
-
 class _ExpertExchange(nn.Cell):
-    """One level of expert all-to-all: copies [n] of `tokens` rows, each to local expert `expert % experts_per_rank`
-    of rank `expert // experts_per_rank` in the group (expert < 0: no copy), and the weighted sums back.
-    `capacity_factor` (None: dropless) sizes the buffers: the rows come from `sources` ranks' tokens routed over
-    `all_experts`, whose copies were dropped to capacity at each source."""
+    """One level of the exact expert all-to-all: copies [n] of `tokens` rows, each to local expert
+    `expert % experts_per_rank` of rank `expert // experts_per_rank` in the group (expert < 0: no copy), and the
+    weighted sums back. `rows` of dispatch: the rows of x, an int, or a tensor where they are known only at run time
+    (the hierarchical form's second level)."""
 
-    def __init__(self, transport, experts: int, top_k: int, compute_dtype, capacity_factor=None, sources: int = 1,
-                 all_experts: int | None = None):
+    def __init__(self, transport, experts: int, compute_dtype):
         super().__init__()
         self.t = transport
         self.g = transport.group.size
         self.per_rank = experts // self.g
-        self.top_k = top_k
         self.compute_dtype = compute_dtype
-        self.capacity_factor, self.sources, self.all_experts = capacity_factor, sources, all_experts or experts
-        self.exchange = AllToAll(transport)
-        self.back = AllToAll(transport)
+        self.exchange = AllToAllV(transport)
+        self.back = AllToAllV(transport)
 
-    def capacity(self, rows: int) -> int:
-        return int(exchange_rows(rows, self.top_k, self.per_rank, self.all_experts, self.capacity_factor,
-                                 self.sources))
-
-    def dispatch(self, x, experts, weights):
+    def dispatch(self, x, experts, weights, rows):
         """x [R, h]; experts, weights [R, k] (experts -1 where no copy) -> (tokens for this rank's experts sorted
         by expert, group sizes [experts per rank], state)."""
-        rows, h = x.shape
         k = experts.shape[1]
-        capacity = self.capacity(rows)
-        flat = experts.reshape(-1)
+        g, per = self.g, self.per_rank
+        # the copies, then one pad row to every member (token 0 at weight 0, for its expert 0): nothing is ever
+        # empty (MindSpore's CPU CumSum refuses zero rows, and an Ascend rank may get no copy)
+        flat = ops.concat((experts.reshape(-1), ops.arange(0, g, dtype=ms.int32) * per))
+        token_of = ops.concat((ops.arange(0, flat.shape[0] - g, dtype=ms.int32) // k, ops.zeros(g, ms.int32)))
+        weights = ops.concat((weights.reshape(-1), ops.zeros(g, weights.dtype)))
         valid = flat >= 0
-        dest = ops.where(valid, flat // self.per_rank, self.g)
-        slot = _slots(dest, self.g, capacity)
-        token = ops.arange(0, rows * k, dtype=ms.int32) // k
-        buffer = self.g * capacity
-        copies = ops.gather(x, token, 0).astype(self.compute_dtype)
-        send = segment_sum(copies, slot, buffer + 1)[:buffer]
-        # each row's local expert + 1 (the padding's zeros read as "no expert"), beside the rows: no gradient
-        tag = ops.stop_gradient(ops.where(valid, flat % self.per_rank + 1, 0).astype(ms.float32))
-        tags = segment_sum(tag, slot, buffer + 1)[:buffer]
-        received = self.exchange(send)
-        local = ops.stop_gradient(self.t.all_to_all(tags)).astype(ms.int32) - 1
-        key = ops.where(local >= 0, local, self.per_rank)
-        order = stable_order(key)
-        sizes = expert_group_sizes(key, self.per_rank + 1)[:self.per_rank]
-        return ops.gather(received, order, 0), sizes, (order, slot, token, weights.reshape(-1), rows)
+        # every copy's place among the sent ones, by (destination, local expert) = its global expert; none last
+        places, counts = key_places(ops.where(valid, flat, g * per), g * per + 1)
+        order = ops.argsort(places).astype(ms.int32)
+        copy = ops.gather(order, ops.nonzero(ops.gather(valid, order, 0)).reshape(-1), 0)   # sent copies, in order
+        token = ops.gather(token_of, copy, 0)
+        mine = counts[:g * per].reshape(g, per)                                  # copies per destination, expert
+        theirs = ops.stop_gradient(self.t.all_to_all(mine.astype(ms.float32))).astype(ms.int32)   # [source, e]
+        send_counts, recv_counts = mine.sum(1), theirs.sum(1)
+        received = self.exchange(ops.gather(x, token, 0).astype(self.compute_dtype), send_counts, recv_counts)
+        by_expert, back = regroup(theirs, row_index(received))
+        state = (back, token, ops.gather(weights, copy, 0), send_counts, recv_counts, rows)
+        return ops.gather(received, by_expert, 0), theirs.sum(0).astype(ms.int32), state
+
+    def sent_rows(self, state):
+        return state[3].sum().astype(ms.float32)
 
     def combine(self, expert_out, state):
-        order, slot, token, weights, rows = state
-        unsorted = segment_sum(expert_out, order, expert_out.shape[0])
-        returned = self.back(unsorted)
-        padded = ops.concat((returned, ops.zeros((1, returned.shape[1]), returned.dtype)), 0)
-        copies = ops.gather(padded, slot, 0) * ops.expand_dims(weights.astype(returned.dtype), -1)
-        return segment_sum(copies, token, rows)
+        back, token, weights, send_counts, recv_counts, rows = state
+        returned = self.back(ops.gather(expert_out, back, 0), recv_counts, send_counts)
+        weighted = returned * ops.expand_dims(weights.astype(returned.dtype), -1)
+        if isinstance(rows, int):
+            return segment_sum(weighted, token, rows)
+        return ops.unsorted_segment_sum(weighted, token, rows)
 
 
 class AllToAllDispatcher(nn.Cell):
-    def __init__(self, num_experts: int, top_k: int, ep_transport, compute_dtype, capacity_factor=None):
+    def __init__(self, num_experts: int, ep_transport, compute_dtype):
         super().__init__()
-        self.exchange = _ExpertExchange(ep_transport, num_experts, top_k, compute_dtype, capacity_factor)
+        self.exchange = _ExpertExchange(ep_transport, num_experts, compute_dtype)
 
     def dispatch(self, x, indices, weights):
-        return self.exchange.dispatch(x, indices, weights)
+        return self.exchange.dispatch(x, indices, weights, x.shape[0])
+
+    def sent_rows(self, state):
+        return self.exchange.sent_rows(state)
 
     def combine(self, expert_out, state):
         return self.exchange.combine(expert_out, state)
 
 
 class HierarchicalDispatcher(nn.Cell):
-    def __init__(self, num_experts: int, top_k: int, across_nodes, in_node, compute_dtype, capacity_factor=None):
+    def __init__(self, num_experts: int, across_nodes, in_node, compute_dtype):
         super().__init__()
+        self.across = across_nodes
         self.nodes = across_nodes.group.size
         self.per_node = num_experts // self.nodes
-        self.top_k = top_k
-        self.to_nodes = AllToAll(across_nodes)
-        self.from_nodes = AllToAll(across_nodes)
-        # a node's rank receives the rows of one source in each node
-        self.inside = _ExpertExchange(in_node, self.per_node, top_k, compute_dtype, capacity_factor, self.nodes,
-                                      num_experts)
+        self.to_nodes = AllToAllV(across_nodes)
+        self.from_nodes = AllToAllV(across_nodes)
+        self.inside = _ExpertExchange(in_node, self.per_node, compute_dtype)
 
     def dispatch(self, x, indices, weights):
         t, h = x.shape
         k, n = indices.shape[1], self.nodes
-        node = indices // self.per_node                                                    # [T, k]
-        nodes = ops.arange(0, n, dtype=ms.int32).reshape(n, 1, 1)
-        here = ops.equal(ops.expand_dims(node, 0), nodes)                                  # [N, T, k]
-        touched = ops.stop_gradient(here.any(-1, keep_dims=True).astype(x.dtype))         # [N, T, 1]
-        # row m*T + t: token t, its experts inside node m (as node-local ids + 1, 0 = not there), their weights
-        tags = ops.where(here, indices % self.per_node + 1, 0).astype(x.dtype)
-        weights_there = ops.where(here, ops.expand_dims(weights, 0), 0.0).astype(x.dtype)
-        payload = ops.concat((ops.broadcast_to(ops.expand_dims(x, 0), (n, t, h)) * touched, tags, weights_there), -1)
-        received = self.to_nodes(payload.reshape(n * t, h + 2 * k))
+        here = ops.equal(ops.expand_dims(indices // self.per_node, 0),
+                         ops.arange(0, n, dtype=ms.int32).reshape(n, 1, 1))               # [N, T, k]
+        # (node, token) pairs to send, node-major; token t (past the last) is one pad row to every node (no
+        # experts there, token 0's sum gets its zero): nothing is ever empty
+        touched = ops.concat((here.any(-1), ops.ones((n, 1), ms.bool_)), 1)                # [N, T + 1]
+        pair = ops.stop_gradient(ops.nonzero(touched.reshape(-1)).reshape(-1).astype(ms.int32))
+        token = pair % (t + 1)
+        token = ops.where(token == t, 0, token)
+        send_counts = ops.stop_gradient(touched.astype(ms.int32).sum(1))
+        recv_counts = ops.stop_gradient(self.across.all_to_all(send_counts.astype(ms.float32))).astype(ms.int32)
+        # beside each token: its experts in that node (node-local id + 1, 0 = not there) and their weights
+        pad = ops.zeros((n, 1, k), ms.int32)
+        tags = ops.concat((ops.where(here, indices % self.per_node + 1, 0), pad), 1).reshape(n * (t + 1), k)
+        weights_there = ops.concat((ops.where(here, ops.expand_dims(weights, 0), 0.0), pad.astype(weights.dtype)),
+                                   1).reshape(n * (t + 1), k)
+        payload = ops.concat((ops.gather(x, token, 0), ops.gather(tags, pair, 0).astype(x.dtype),
+                              ops.gather(weights_there, pair, 0).astype(x.dtype)), -1)
+        received = self.to_nodes(payload, send_counts, recv_counts)
         experts = ops.stop_gradient(received[:, h:h + k]).astype(ms.int32) - 1
-        tokens, sizes, inner = self.inside.dispatch(received[:, :h], experts, received[:, h + k:])
-        return tokens, sizes, (inner, t)
+        tokens, sizes, inner = self.inside.dispatch(received[:, :h], experts, received[:, h + k:],
+                                                    recv_counts.sum())
+        return tokens, sizes, (inner, token, send_counts, recv_counts, t)
+
+    def sent_rows(self, state):
+        """The (node, token) rows sent across nodes and the copies sent inside the node."""
+        return state[2].sum().astype(ms.float32) + self.inside.sent_rows(state[0])
 
     def combine(self, expert_out, state):
-        inner, t = state
-        per_node_sums = self.inside.combine(expert_out, inner)                              # [N*T, h]
-        return self.from_nodes(per_node_sums).reshape(self.nodes, t, -1).sum(0)
+        inner, token, send_counts, recv_counts, t = state
+        per_node_sums = self.inside.combine(expert_out, inner)          # [tokens received from the nodes, h]
+        return segment_sum(self.from_nodes(per_node_sums, recv_counts, send_counts), token, t)
 
 
 @dataclass(frozen=True)
@@ -205,9 +215,9 @@ class ExpertParallel:
 
 
 def make_dispatcher(num_experts: int, top_k: int, ep: ExpertParallel, compute_dtype=ms.float32,
-                    capacity_factor: float | None = None, device_target: str = "CPU"):
+                    device_target: str = "CPU"):
     if ep.ep == 1:
         return LocalDispatcher(num_experts, top_k, device_target)
     if ep.kind == "hierarchical":
-        return HierarchicalDispatcher(num_experts, top_k, ep.across_nodes, ep.in_node, compute_dtype, capacity_factor)
-    return AllToAllDispatcher(num_experts, top_k, ep.group, compute_dtype, capacity_factor)
+        return HierarchicalDispatcher(num_experts, ep.across_nodes, ep.in_node, compute_dtype)
+    return AllToAllDispatcher(num_experts, ep.group, compute_dtype)

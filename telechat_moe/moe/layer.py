@@ -29,7 +29,7 @@ from telechat_moe.moe.replicas import ExpertSlots
 from telechat_moe.moe.router import TopKRouter
 
 
-ROUTING_STATS = 4   # the traffic counts after the expert load in a layer's routing statistics
+ROUTING_STATS = 5   # after the expert load in a layer's routing statistics: the traffic counts, the rows sent
 
 
 class MoELayer(nn.Cell):
@@ -43,7 +43,7 @@ class MoELayer(nn.Cell):
         self.slots = ExpertSlots(cfg.n_routed_experts, ep.ep, ep.spare_slots) if ep.spare_slots else None
         self.slots_per_rank = cfg.n_routed_experts // ep.ep + ep.spare_slots
         self.dispatcher = make_dispatcher(ep.ep * self.slots_per_rank, cfg.num_experts_per_tok, ep, cdt,
-                                          cfg.moe_expert_capacity_factor, device_target)
+                                          device_target)
         self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
@@ -60,16 +60,18 @@ class MoELayer(nn.Cell):
         self.ep = ep
 
     def routed(self, x, indices, weights):
-        # Labels become slots here and again in `traffic`, not once in construct: with one mapped tensor feeding
-        # both, MindSpore's CPU backend compiled the dp=4 x ep=4 replica step for over 7 minutes (a recursive walk
-        # of the graph's inputs, seen in gdb; past 600 s in CI) where it takes about one.
-        if self.slots is not None:
-            indices = self.slots(indices)
+        """The routed experts' weighted sum per token, the routing that was sent (copies over an expert's capacity
+        dropped: expert -1) and the rows the exchanges sent."""
         if self.capacity_factor is not None:     # each expert's capacity of this rank's tokens (of this slice)
             capacity = int(expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor))
             indices, weights = drop_over_capacity(indices, weights, self.num_experts, capacity, self.drop_policy)
-        tokens, group_sizes, state = self.dispatcher.dispatch(x, indices, weights)
-        return self.dispatcher.combine(self.experts(tokens, group_sizes), state)
+        # Labels become slots here and again in `traffic`, not once in construct: with one mapped tensor feeding
+        # both, MindSpore's CPU backend compiled the dp=4 x ep=4 replica step for over 7 minutes (a recursive walk
+        # of the graph's inputs, seen in gdb; past 600 s in CI) where it takes about one.
+        labels = self.slots(indices) if self.slots is not None else indices
+        tokens, group_sizes, state = self.dispatcher.dispatch(x, labels, weights)
+        out = self.dispatcher.combine(self.experts(tokens, group_sizes), state)
+        return out, indices, ops.stop_gradient(self.dispatcher.sent_rows(state))
 
     def traffic(self, indices):
         """[4] token copies this rank's routing sends (flat inter/intra-node, hierarchical inter/intra-node)."""
@@ -82,21 +84,26 @@ class MoELayer(nn.Cell):
 
     def construct(self, x):
         """x [b, s, h] (under sequence parallelism this rank's [b, s/tp, h]) -> (y like x, aux loss, z loss, routing
-        statistics [E + 4]: the load of the tokens this rank routed, then their dispatch traffic of `traffic`)."""
+        statistics [E + 5]: the load of the copies this rank sent (after any capacity drop), their dispatch traffic
+        of `traffic`, the rows its exchanges sent)."""
         mine = self.split_tokens(x) if self.split else x
         b, s, h = mine.shape
         flat = mine.reshape(b * s, h)
         indices, weights, aux, z, load = self.gate(flat, b)
         if self.chunks == 1:
-            routed = self.routed(flat, indices, weights)
+            routed, sent, rows = self.routed(flat, indices, weights)
         else:
             n = b * s // self.chunks
-            parts = ()
+            parts, sent, rows = (), (), 0.0
             for i in range(self.chunks):
-                parts = parts + (self.routed(flat[i * n:(i + 1) * n], indices[i * n:(i + 1) * n],
-                                             weights[i * n:(i + 1) * n]),)
-            routed = ops.concat(parts, 0)
-        stats = ops.concat((load, self.traffic(indices)))
+                part, labels, slice_rows = self.routed(flat[i * n:(i + 1) * n], indices[i * n:(i + 1) * n],
+                                                       weights[i * n:(i + 1) * n])
+                parts, sent, rows = parts + (part,), sent + (labels,), rows + slice_rows
+            routed, sent = ops.concat(parts, 0), ops.concat(sent, 0)
+        if self.capacity_factor is not None:     # the load that was sent, not the demand
+            load = ops.one_hot(sent, self.num_experts, ops.ones((), ms.float32),
+                               ops.zeros((), ms.float32)).sum((0, 1))
+        stats = ops.concat((ops.stop_gradient(load), self.traffic(sent), rows.reshape(1)))
         routed = routed.astype(x.dtype).reshape(b, s, h)
         if self.split:
             routed = self.gather_tokens(routed)

@@ -1,13 +1,13 @@
 """Each collective Cell of parallel/comm across real processes (the CPU transport), forward and gradient, against
-NumPy on every member's inputs: on the world group, on a sub-group of two and on a group of one; and a
-point-to-point transfer. Called by ep_layer.py's 4-process run (one msrun start for both)."""
+NumPy on every member's inputs: on the world group, on a sub-group of two and on a group of one (the uneven
+all-to-all with as many rows as `_uneven` says, different for every pair); and a point-to-point transfer. Called by ep_layer.py's 4-process run (one msrun start for both)."""
 from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from parallel.comm import (AllReduce, AllToAll, Broadcast, CopyToGroup, GatherFromGroup, ProcessGroups,
+from parallel.comm import (AllReduce, AllToAll, AllToAllV, Broadcast, CopyToGroup, GatherFromGroup, ProcessGroups,
                            ReduceFromGroup, ReduceScatterToGroup, transport_for)
 from parallel.layout import Axis, ParallelLayout
 
@@ -58,6 +58,44 @@ class _Gradient(nn.Cell):
         return self.grad(self.cell)(x, cotangent)
 
 
+def _uneven(source: int, destination: int) -> int:
+    """Rows member `source` sends member `destination` in the uneven all-to-all's check."""
+    return 1 + (source + 2 * destination) % 3
+
+
+class _UnevenGradient(nn.Cell):
+    """The gradient of an AllToAllV Cell w.r.t. its rows, the counts as inputs too."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+        self.grad = ops.GradOperation(sens_param=True)
+
+    def construct(self, x, send, recv, cotangent):
+        return self.grad(self.cell)(x, send, recv, cotangent)
+
+
+def _all_to_all_v_errors(t, group, rank: int) -> dict[str, float]:
+    g, me = group.size, group.index
+    send = [[_uneven(i, j) for j in range(g)] for i in range(g)]
+    xs = [np.random.default_rng(300 + i).normal(size=(sum(send[i]), COLS)).astype(np.float32) for i in range(g)]
+    recv = [send[i][me] for i in range(g)]
+    cs = [np.random.default_rng(400 + j).normal(size=(sum(send[i][j] for i in range(g)), COLS)).astype(np.float32)
+          for j in range(g)]
+
+    def part(rows, counts, j):      # rows [sum(counts), w] -> the block of member j
+        return rows[sum(counts[:j]):sum(counts[:j + 1])]
+
+    want_y = np.concatenate([part(xs[i], send[i], me) for i in range(g)])
+    want_dx = np.concatenate([part(cs[j], [send[i][j] for i in range(g)], me) for j in range(g)])
+    cell = AllToAllV(t)
+    counts = Tensor(np.array(send[me], np.int32)), Tensor(np.array(recv, np.int32))
+    y = cell(Tensor(xs[me]), *counts).asnumpy()
+    dx = _UnevenGradient(cell)(Tensor(xs[me]), *counts, Tensor(cs[me])).asnumpy()
+    return {"AllToAllV on forward": float(np.abs(y - want_y).max()) if y.shape == want_y.shape else np.inf,
+            "AllToAllV on gradient": float(np.abs(dx - want_dx).max()) if dx.shape == want_dx.shape else np.inf}
+
+
 def check_collectives(rank: int, world: int) -> dict[str, float]:
     """Worst absolute error of each (collective, group) case on this rank (graph mode)."""
     groups = ProcessGroups(ParallelLayout(dp=world, ep=2).validate(world), rank)
@@ -76,6 +114,8 @@ def check_collectives(rank: int, world: int) -> dict[str, float]:
             dx = _Gradient(cell)(Tensor(_x(rank)), Tensor(_cotangent(rank, rows))).asnumpy()
             errors[f"{kind} on {label}: forward"] = float(np.abs(y - want_y).max())
             errors[f"{kind} on {label}: gradient"] = float(np.abs(dx - want_dx).max())
+        errors.update({name.replace(" on", f" on {label}:"): err
+                       for name, err in _all_to_all_v_errors(t, group, rank).items()})
     # point-to-point: 0 -> 1 (and 3 -> 2 with four ranks), each pair on its own group
     peer = rank ^ 1
     if peer < world:

@@ -125,6 +125,7 @@ def main(out: str) -> None:
     # (the flat all-to-all at ep=world runs in the capacity case, and dropless in the expert-migration test's
     # training at ep=4 against one process)
     cases = [("hierarchical", 2, 1, "skewed", world, None), ("alltoall", 4, 1, "skewed", 2, None),
+             ("alltoall", 2, 2, "skewed", world, None),
              ("alltoall", 4, 1, "skewed", world, (1.0, "probs")),
              ("hierarchical", 4, 2, "skewed", world, (1.0, "position"))]
     results = []
