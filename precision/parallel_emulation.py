@@ -115,7 +115,7 @@ def pipeline_step(schedule: Schedule, chunks: Sequence, loss_fn: Callable, micro
 class ExpertParallelDispatcher(nn.Cell):
     """Dropless dispatch over `ep` expert-parallel ranks (experts split contiguously), with the dispatcher
     interface of telechat_moe/moe/dispatch.py: dispatch(x, indices, weights) -> (tokens sorted by expert, group
-    sizes, state); combine(expert_out, state) -> weighted sum per token.
+    sizes, state); combine(expert_out, state) -> weighted sum per token; sent_rows(state) -> rows exchanged.
 
     Dispatch is two permutations, as the All-to-All path does: token copies grouped by destination rank in
     token order (the send), then sorted by local expert on each rank (the receive). Combine applies the routing
@@ -136,6 +136,10 @@ class ExpertParallelDispatcher(nn.Cell):
         order = ops.gather(send, receive, 0)
         tokens = ops.gather(x, order // self.top_k, 0)
         return tokens, expert_group_sizes(flat_expert, self.num_experts), (order, weights)
+
+    def sent_rows(self, state):
+        """Rows the exchange moves (the step log's count): every token copy, as the exact exchange sends them."""
+        return ops.ones_like(state[0]).astype(ms.float32).sum()
 
     def weights_in_dispatch_order(self, weights, order):
         """The routing weight of each dispatched row: the weights are permuted exactly as the tokens were."""

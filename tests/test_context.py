@@ -21,7 +21,11 @@ from tests.helpers import ROOT, assert_one_line_error, run_cli, run_main
 MINDFORMERS_105B = ["parallel_config.data_parallel=4", "parallel_config.model_parallel=8",
                     "parallel_config.pp_interleave_num=1", "parallel_config.expert_parallel=4",
                     "parallel_config.micro_batch_num=32", "model.moe_comm_chunks=1"]
-FOUR_NODES = [*MINDFORMERS_105B, "parallel_config.pipeline_stage=1", "parallel_config.expert_parallel_over_tp=true"]
+# 105b on 8 nodes of 8: what it holds per device (35.1 GiB before activations) fits the 55.5 GB; on 4 nodes no split of
+# its 104.6B parameters does (float32 weights, gradients and accumulators, the sharded optimizer: 60-79 GiB)
+EIGHT_NODES = ["parallel_config.data_parallel=4", "parallel_config.model_parallel=4", "parallel_config.pipeline_stage=4",
+               "parallel_config.pp_interleave_num=1", "parallel_config.expert_parallel=16",
+               "parallel_config.micro_batch_num=32", "model.moe_comm_chunks=1"]
 # Every Ascend-only and once-per-process setting away from its default.
 ASCEND_CONTEXT = ["context.deterministic=ON", "context.memory_optimize_level=O1", "context.mempool_block_size_gb=55.5",
                   "context.hccl_connect_timeout=600", "context.hccl_exec_timeout=1800", "context.hccl_buffsize=256"]
@@ -111,7 +115,7 @@ def record(recipe: str, sets: list[str]) -> dict:
 def test_ascend_recipe_becomes_these_mindspore_calls():
     """105b's context (device Ascend, jit_level O1, 55.5 GB) with every Ascend setting on: the calls, their arguments
     and the HCCL environment, each call bound to the installed MindSpore's signature and accepted by its checks."""
-    out = record("105b", FOUR_NODES + ASCEND_CONTEXT)
+    out = record("105b", EIGHT_NODES + ASCEND_CONTEXT)
     assert out["problems"] == []
     assert len(out["self_check"]) == 2 and "no_such_key" in out["self_check"][0] and "mode" in out["self_check"][1]
     made = [(name, args) for name, args in out["calls"] if name != "get_context"]
@@ -132,7 +136,7 @@ def test_ascend_recipe_becomes_these_mindspore_calls():
 def test_ascend_defaults_make_only_the_device_calls():
     """105b as written: no deterministic, memory level O0, no HCCL settings: the cap on the memory pool and the
     device, nothing else, no HCCL variable set."""
-    out = record("105b", FOUR_NODES)
+    out = record("105b", EIGHT_NODES)
     assert out["problems"] == [] and out["deprecated"] == []
     made = [(name, args) for name, args in out["calls"] if name != "get_context"]
     assert made == [("set_context", {"mode": 0, "jit_config": {"jit_level": "O1"}}),
@@ -168,7 +172,7 @@ def test_every_mindspore_call_of_configure_mindspore_is_recorded():
 
 
 def test_the_mapping_without_mindspore():
-    a = load_recipe("105b", FOUR_NODES + ASCEND_CONTEXT).context
+    a = load_recipe("105b", EIGHT_NODES + ASCEND_CONTEXT).context
     assert hccl_environment(a) == {"HCCL_CONNECT_TIMEOUT": "600", "HCCL_EXEC_TIMEOUT": "1800", "HCCL_BUFFSIZE": "256"}
     assert set(HCCL_ENV.values()) == set(hccl_environment(a))
     cpu = load_recipe("tiny", ["context.hccl_connect_timeout=600", "context.max_device_memory_gb=3",
@@ -289,14 +293,14 @@ def launch(tmp_path: Path, env: dict, *args: str):
 ASCEND_NODE = {"ASCEND_HOME_PATH": "/usr/local/Ascend/ascend-toolkit/latest"}
 
 
-def test_four_node_105b_launch_gives_msrun_these_arguments(tmp_path):
-    env = {**ASCEND_NODE, "NNODES": "4", "DEVICES_PER_NODE": "8", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+def test_eight_node_105b_launch_gives_msrun_these_arguments(tmp_path):
+    env = {**ASCEND_NODE, "NNODES": "8", "DEVICES_PER_NODE": "8", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
            "MASTER_PORT": "8200", "CLUSTER_TIME_OUT": "900"}
-    sets = [x for s in FOUR_NODES for x in ("--set", s)]
+    sets = [x for s in EIGHT_NODES for x in ("--set", s)]
     proc = launch(tmp_path, env, str(ROOT / "recipes" / "105b.yaml"), *sets, "--resume")
     assert proc.returncode == 0, proc.stderr
     args = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ARG ")]
-    assert args == ["--worker_num=32", "--local_worker_num=8", "--master_addr=10.0.0.1", "--master_port=8200",
+    assert args == ["--worker_num=64", "--local_worker_num=8", "--master_addr=10.0.0.1", "--master_port=8200",
                     "--node_rank=1", "--log_dir=output/msrun_logs/node_1", "--join=True", "--cluster_time_out=900",
                     "--bind_core=True", "run_train.py", "--recipe", str(ROOT / "recipes" / "105b.yaml"),
                     "--set", "parallel_config.devices_per_node=8", *sets, "--resume"]
@@ -327,13 +331,13 @@ LAUNCH_ERRORS = [
      ["parallel_config", "= 256 devices", "NNODES*DEVICES_PER_NODE = 4*8 = 32", "NNODES=32"]),
     # 32 devices, but the experts split only 4 ways: it does not fit the 55.5 GB of each device
     ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, [*MINDFORMERS_105B, "parallel_config.pipeline_stage=1"],
-     ["218.9 GiB per device", "context.max_device_memory_gb=55.5"]),
-    ({"NNODES": "4", "NODE_RANK": "1"}, FOUR_NODES, ["MASTER_ADDR", "NNODES=4"]),
-    ({"NNODES": "4", "NODE_RANK": "4", "MASTER_ADDR": "10.0.0.1"}, FOUR_NODES, ["NODE_RANK", "0 to 3"]),
-    ({"NNODES": "four"}, FOUR_NODES, ["NNODES", "integer"]),
-    ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "80"}, FOUR_NODES,
+     ["315.9 GiB per device", "context.max_device_memory_gb=55.5"]),
+    ({"NNODES": "8", "NODE_RANK": "1"}, EIGHT_NODES, ["MASTER_ADDR", "NNODES=8"]),
+    ({"NNODES": "8", "NODE_RANK": "8", "MASTER_ADDR": "10.0.0.1"}, EIGHT_NODES, ["NODE_RANK", "0 to 7"]),
+    ({"NNODES": "four"}, EIGHT_NODES, ["NNODES", "integer"]),
+    ({"NNODES": "8", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "80"}, EIGHT_NODES,
      ["MASTER_PORT", "1024 to 65535"]),
-    ({"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, [*FOUR_NODES, "context.jit_level=O7"],
+    ({"NNODES": "8", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, [*EIGHT_NODES, "context.jit_level=O7"],
      ["context.jit_level"]),
 ]
 
@@ -355,8 +359,8 @@ def test_launch_that_cannot_train_stops_with_one_line_before_msrun(tmp_path, env
 
 
 def test_launch_on_a_machine_without_npu_stops_with_one_line(tmp_path):
-    proc = launch(tmp_path, {"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, "105b",
-                  *[x for s in FOUR_NODES for x in ("--set", s)])
+    proc = launch(tmp_path, {"NNODES": "8", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, "105b",
+                  *[x for s in EIGHT_NODES for x in ("--set", s)])
     assert_one_line_error(proc, "targets Ascend", "no Ascend device")
     assert "ARG" not in proc.stdout
 

@@ -147,10 +147,10 @@ def test_fusion_section_maps_to_mindspore_settings(tmp_path):
 def test_fusion_switch_calls_on_cpu_and_ascend():
     """CPU: fusion.graph_kernel is set_context(enable_graph_kernel=True), a key MindSpore 2.9 accepts; Ascend at
     jit_level O1 makes no call beyond the defaults (O1 is DVM)."""
-    from tests.test_context import FOUR_NODES, record
+    from tests.test_context import EIGHT_NODES, record
     cpu = record("tiny", ["fusion.graph_kernel=true"])
     assert cpu["problems"] == [] and ["set_context", {"enable_graph_kernel": True}] in cpu["calls"]
-    ascend = record("105b", FOUR_NODES + ["fusion.graph_kernel=true", "fusion.disable_cluster_ops=[Mul]"])
+    ascend = record("105b", EIGHT_NODES + ["fusion.graph_kernel=true", "fusion.disable_cluster_ops=[Mul]"])
     assert ascend["problems"] == [] and ascend["deprecated"] == []
     assert [name for name, _ in ascend["calls"] if name == "set_context"] == ["set_context"]
 
