@@ -27,28 +27,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from mindspore import ParameterTuple, Tensor, nn, ops
+from mindspore import Tensor, ops
 
 from parallel.ep.migrate import homes, moved_rows, permute_replicated, permuted_whole, relabelling
 from parallel.ep.load import LoadPredictor, LoadWindow
 from parallel.ep.migration_plan import MoveCost, plan_migration
 from parallel.ep.placement import Placement, expert_flops_per_token
+from parallel.optim.state import Overwrite
 from telechat_moe.moe.replicas import slot_tables
 from telechat_moe.optimizer_state import SlicedMoments
-
-
-class Overwrite(nn.Cell):
-    """New values into parameters inside a graph: Parameter.set_data between calls of the graphs that use a
-    parameter was not seen by them on MindSpore 2.9 (see TrainStep), an assignment inside a graph is."""
-
-    def __init__(self, params: list):
-        super().__init__(auto_prefix=False)
-        self.params = ParameterTuple(params)
-
-    def construct(self, *values):
-        for i in range(len(self.params)):
-            ops.assign(self.params[i], values[i])
-        return values[0]
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dvm_fusion.square_sums import square_sums_for
 from parallel.comm import ProcessGroups, transport_for
 from parallel.layout import Axis
 from parallel.optim import Route
+from parallel.optim.distributed import clip_factor
 from parallel.optim.memory import uses_distributed
 from telechat_moe.model import TeleChatMoE
 from telechat_moe.optim import (build_adamw, build_distributed, cast_weights, ordered_like_adamw, sharded_gradients,
@@ -93,10 +94,7 @@ class PrepareGradients(nn.Cell):
                    + self.ep.all_reduce((each * self.expert_mask).sum()))
         if self.stages is not None:
             squares = self.stages.all_reduce(squares)
-        unscale = grad_scale / self.dp
-        norm = ops.sqrt(squares) * unscale
-        finite = ops.isfinite(norm)
-        factor = self.clip / ops.maximum(norm, self.clip) * unscale if self.clip > 0 else unscale
+        factor, norm, finite = clip_factor(squares, grad_scale, self.dp, self.clip)
         return reduced, factor, norm, finite
 
 

@@ -132,11 +132,17 @@ class ShardedGradients(nn.Cell):
             squares = squares + part(each)
         if self.stages is not None:
             squares = self.stages.all_reduce(squares)
-        unscale = grad_scale / self.dp
-        norm = ops.sqrt(squares) * unscale
-        finite = ops.isfinite(norm)
-        factor = self.clip / ops.maximum(norm, self.clip) * unscale if self.clip > 0 else unscale
+        factor, norm, finite = clip_factor(squares, grad_scale, self.dp, self.clip)
         return shards, factor, norm, finite
+
+
+def clip_factor(squares, grad_scale, dp: int, clip: float):
+    """(factor, norm, finite) from the summed squares of the scaled, summed gradients: the factor that unscales
+    them (loss scale and the mean over `dp` ranks) and clips the global norm to `clip` (0: no clipping)."""
+    unscale = grad_scale / dp
+    norm = ops.sqrt(squares) * unscale
+    factor = clip / ops.maximum(norm, clip) * unscale if clip > 0 else unscale
+    return factor, norm, ops.isfinite(norm)
 
 
 class ShardedAdamW(nn.Cell):

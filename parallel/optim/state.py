@@ -8,7 +8,7 @@ expert migration need of a `ShardedAdamW` whose state lives in bucket slices.
   every rank (each bucket all-gathered over its group: collective).
 - `write_whole(opt, param, kind, value)`: replace one parameter's state (the slice this rank holds of `value`).
 
-Writes go through an assignment inside a graph (`_Overwrite`): Parameter.set_data between calls of a graph that
+Writes go through an assignment inside a graph (`Overwrite`): Parameter.set_data between calls of a graph that
 updates that Parameter in place is not seen by it (MindSpore 2.9, measured by the trainer's authors).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mindspore import ParameterTuple, Tensor, nn, ops
 from parallel.optim.buckets import Piece
 
 KINDS = ("master", "adam_m", "adam_v")
-_writers: dict = {}     # (optimizer, kind, buckets) -> its _Overwrite, compiled once
+_writers: dict = {}     # (optimizer, kind, buckets) -> its Overwrite, compiled once
 
 
 def _tensors(opt, kind: str):
@@ -31,7 +31,10 @@ def kinds(opt) -> tuple[str, ...]:
     return KINDS if opt.master is not None else KINDS[1:]
 
 
-class _Overwrite(nn.Cell):
+class Overwrite(nn.Cell):
+    """New values into parameters inside a graph: Parameter.set_data between calls of the graphs that use a
+    parameter was not seen by them on MindSpore 2.9 (see TrainStep), an assignment inside a graph is."""
+
     def __init__(self, params):
         super().__init__(auto_prefix=False)
         self.params = ParameterTuple(params)
@@ -50,7 +53,7 @@ def _write(opt, kind: str, values: dict[int, np.ndarray]) -> None:
     order = sorted(values)
     key = (id(opt), kind, tuple(order))
     if key not in _writers:
-        _writers[key] = _Overwrite([held[b] for b in order])
+        _writers[key] = Overwrite([held[b] for b in order])
     _writers[key](*[Tensor(np.ascontiguousarray(values[b], np.float32)) for b in order]).asnumpy()
 
 
