@@ -92,7 +92,7 @@ MALFORMED_SETS = [
     (["model.moe_expert_capacity_factor=0"], "model.moe_expert_capacity_factor", "positive number or null"),
     (["model.moe_expert_capacity_factor=lots"], "model.moe_expert_capacity_factor", "positive number or null"),
     (["model.moe_token_drop_policy=random"], "model.moe_token_drop_policy", "probs, position"),
-    (["parallel_config.pipeline_scheduler=zero_bubble"], "parallel_config.pipeline_scheduler", "1f1b or gpipe"),
+    (["parallel_config.pipeline_scheduler=zero_bubble"], "parallel_config.pipeline_scheduler", "1f1b, gpipe or dualpipev"),
     (["expert_placement.interval=-1"], "expert_placement.interval", "0 or more"),
     (["expert_placement.window=0"], "expert_placement.window", "at least 1"),
     (["expert_placement.threshold=-0.5"], "expert_placement.threshold", ">= 0"),

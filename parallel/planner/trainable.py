@@ -18,7 +18,7 @@ import numpy as np
 # ---- what is trained; each a one-line switch for the engine that lands it ------------------------------------
 CONTEXT_PARALLEL_TRAINS = False           # parallel/cp (context_parallel > 1)
 EXPERT_TENSOR_PARALLEL_TRAINS = True      # the expert FFN split over expert_model_parallel ranks
-TRAINED_SCHEDULES = ("1f1b", "interleaved", "gpipe")   # the pipeline schedules telechat_moe/pipeline_step.py runs
+TRAINED_SCHEDULES = ("1f1b", "interleaved", "gpipe", "dualpipev")   # what telechat_moe/pipeline_step.py runs
 # the expert exchanges the trainer builds (telechat_moe/moe/dispatch.py), in the planner's names; `local` (every
 # expert on every rank) is the recipe's dispatcher without an exchange
 TRAINED_EP_SCHEMES = ("flat", "hierarchical")
