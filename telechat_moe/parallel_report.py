@@ -38,8 +38,7 @@ Conventions:
   forward and backward collectives run micro_batch_num times a step, the step's once.
 - Pipeline parallelism is planned, not trained: for pp > 1 the report is one rank of one stage (by default the
   dry run's heaviest), holding the layers `even_layer_split` gives it (contiguous, as the dry run counts them; an
-  interleaved schedule would hold other layers), with the embedding on stage 0 and norm, head and MTP on the last
-  (with a copy of the embedding that MTP looks the next tokens up in).
+  interleaved schedule would hold other layers), with the embedding on stage 0 and norm, head and MTP on the last.
   The stage-to-stage transfers are point-to-point, not collectives, and are not listed.
 - recompute_config.recompute (full): each decoder layer's forward runs again in its backward, its collectives with
   it (listed as backward, `note` recompute), as the planner assumes.
@@ -366,10 +365,8 @@ class _Rank:
 
     def model(self, first: int, end: int, has_embedding: bool, has_head: bool):
         cfg, h = self.cfg, self.h
-        if has_embedding or (has_head and cfg.num_nextn_predict_layers > 0):
-            # a last stage apart from the first holds a copy of the table for MTP's lookup of the next tokens
-            self.weight("embed_tokens.weight", (cfg.vocab_size, h), 0, "tp")
         if has_embedding:
+            self.weight("embed_tokens.weight", (cfg.vocab_size, h), 0, "tp")
             self.embedding("embed_tokens")
         for i in range(first, end):
             self.decoder_layer(f"layers.{i}", i)
@@ -378,6 +375,9 @@ class _Rank:
             if not cfg.tie_word_embeddings:
                 self.weight("lm_head.weight", (cfg.vocab_size, h), 0, "tp")
             self.head("lm_head", "cross_entropy")
+            if not has_embedding and cfg.num_nextn_predict_layers and not cfg.tie_word_embeddings:
+                # MTP's copy of the embedding on a last stage apart from it (model.StageParts; summed over the pair)
+                self.weight("embed_tokens.weight", (cfg.vocab_size, h), 0, "tp")
             for d in range(cfg.num_nextn_predict_layers):
                 self.mtp(d)
 
