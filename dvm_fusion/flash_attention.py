@@ -108,14 +108,15 @@ class FlashAttentionAscend(nn.Cell):
 
 
 class FlashAttentionCPU(nn.Cell):
-    """The contract on CPU, for a whole sequence: query rows at positions 0..s-1."""
+    """The contract on CPU: query rows at `positions` (a context-parallel shard's), by default 0..s-1."""
 
     def __init__(self, scale: float):
         super().__init__()
         self.hyper = flash_attention_hyper(scale)
 
-    def construct(self, query, key, value, segment_ids):
-        positions = ops.arange(0, query.shape[2], dtype=ms.int32)
+    def construct(self, query, key, value, segment_ids, positions=None):
+        if positions is None:
+            positions = ops.arange(0, query.shape[2], dtype=ms.int32)
         return flash_attention_cpu(query, key, value, segment_ids, positions, self.hyper)
 
 

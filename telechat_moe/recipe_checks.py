@@ -250,9 +250,11 @@ def check_trainable(r: Recipe, processes: int) -> None:
     dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
     communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
     p, m = r.parallel_config, r.model
-    for key, degree in (("context_parallel", p.context_parallel), ("expert_model_parallel", p.expert_model_parallel)):
+    for key, degree in (("expert_model_parallel", p.expert_model_parallel),):
         require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data, tensor, sequence, expert "
                              f"and pipeline parallelism are); use --dry-run to plan this layout")
+    if p.context_parallel > 1:
+        _check_context_parallel(r)
     if p.model_parallel > 1:
         _check_tensor_parallel(r)
     if p.pipeline_stage > 1:
@@ -267,6 +269,19 @@ def check_trainable(r: Recipe, processes: int) -> None:
              f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = {p.data_parallel}*"
              f"{p.model_parallel}*{p.context_parallel}*{p.pipeline_stage} = {devices}, but {launched} (use msrun "
              f"--worker_num={world}, or change parallel_config)")
+
+
+def _check_context_parallel(r: Recipe) -> None:
+    """What context parallelism (parallel/cp) trains: a sequence cut into 2*cp equal blocks (each rank a front and
+    a back block), each rank's share split evenly over tp, and attention kernels that take a shard's query rows."""
+    p, m = r.parallel_config, r.model
+    cp, tp = p.context_parallel, p.model_parallel
+    require(m.seq_length % (2 * cp * tp) == 0,
+            f"model.seq_length: {m.seq_length} is not divisible by 2*context_parallel*model_parallel = {2 * cp * tp} "
+            f"(each context-parallel rank holds a front and a back block of every sequence, split over tp)")
+    require(r.context.device_target != "Ascend" or m.attention_kernel != "flash",
+            f"parallel_config.context_parallel: {cp} with attention_kernel flash is trained on CPU only (the Ascend "
+            f"binding of FlashAttentionScore takes whole sequences)")
 
 
 def _check_pipeline(r: Recipe) -> None:

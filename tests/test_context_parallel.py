@@ -1,0 +1,64 @@
+"""Context parallelism (parallel/cp): the load-balanced split of the sequence, what check_trainable takes, and
+training across processes equal to one process."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parallel.cp import gathered_order, shard_positions
+from telechat_moe.errors import RecipeError
+from telechat_moe.recipe import load_recipe
+from telechat_moe.recipe_checks import check_trainable
+from tests.conftest import PARALLEL_COMMON
+from tests.helpers import assert_losses_match, assert_no_divergence, msrun
+from tests.test_training import NO_EVAL, SHORT, sets
+
+
+@pytest.mark.parametrize("seq,cp", [(64, 2), (512, 4), (48, 3)])
+def test_the_split_covers_the_sequence_once_and_balances_causal_work(seq, cp):
+    shards = [shard_positions(seq, cp, r) for r in range(cp)]
+    assert np.array_equal(np.sort(np.concatenate(shards)), np.arange(seq))
+    block = seq // (2 * cp)
+    for r, mine in enumerate(shards):
+        # a front block and its mirror at the back
+        assert np.array_equal(mine[:block], np.arange(r * block, (r + 1) * block))
+        assert np.array_equal(mine[block:], np.arange(seq - (r + 1) * block, seq - r * block))
+    # the causal keys each rank's queries see (position + 1 each): equal on every rank
+    work = {int((mine + 1).sum()) for mine in shards}
+    assert len(work) == 1, work
+    order = gathered_order(seq, cp)
+    assert np.array_equal(np.concatenate(shards)[order], np.arange(seq))
+    with pytest.raises(ValueError, match="not divisible by 2\\*context_parallel"):
+        shard_positions(seq + 1, cp, 0)
+
+
+def test_context_parallel_layouts_are_trainable_and_refusals_are_one_line():
+    for assignments, world in ((["parallel_config.context_parallel=2"], 2),
+                               (["parallel_config.context_parallel=2", "parallel_config.data_parallel=2"], 4),
+                               (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
+                                 "parallel_config.use_seq_parallel=true"], 4),
+                               (["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
+                                 "parallel_config.micro_batch_num=2"], 4)):
+        check_trainable(load_recipe("tiny", assignments), processes=world)
+    r = load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.model_parallel=2"])
+    r.model.seq_length = 132        # divisible by cp x tp, not by 2 x cp x tp
+    with pytest.raises(RecipeError) as e:
+        check_trainable(r, processes=4)
+    assert str(e.value).startswith("model.seq_length: 132") and "\n" not in str(e.value), str(e.value)
+
+
+def test_context_parallel_training_matches_one_process(tmp_path, one_process_tiny):
+    """Four processes at cp=2 x tp=2 with sequence parallelism x ep=2 (the load-balanced split, the gathered MLA
+    latent, the router's statistics over tp x cp, the all-to-all exchange of each rank's positions, the gradients
+    summed over the context group) train the one-process run's steps 1-2: the same losses and gradient norms, and
+    precision.compare finds no divergence in their tensor dumps. (cp=2, cp=2 x dp=2 and cp=2 x tp=2 for 30 steps
+    at sequence 512: `python -m bench.layout_agreement`, docs/attention.md.)"""
+    one, out = one_process_tiny, tmp_path / "cp2"
+    proc, logs = msrun(4, tmp_path / "logs", "run_train.py", "--recipe", "tiny", *sets(
+        *SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}", NO_EVAL, "training.train_steps=2",
+        "training.dump_steps=1-2", "parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
+        "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=2",
+        "model.moe_token_dispatcher_type=alltoall", f"output_dir={out}"), cluster_time_out=90)
+    assert proc.returncode == 0, logs
+    assert_losses_match(one, out, (1, 2), "cp=2 x tp=2 (sp) x ep=2")
+    assert_no_divergence(one, out)
