@@ -202,11 +202,13 @@ class MultiLatentAttention(nn.Cell):
         k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope).astype(ms.float32), cos, sin).astype(q.dtype)
         latent = self.kv_a_layernorm(latent)
         sk = s
-        if self.context is not None:        # the whole sequence's latent and shared key, in sequence order
-            both = self.context(ops.cat((latent, k_rot.reshape(b, s, self.rope).astype(latent.dtype)), -1))
+        if self.context is not None:
+            # the whole sequence's latent and shared key, in sequence order, in the compute dtype (kv_b_proj's
+            # input dtype: the cast it would make anyway, before the gather)
+            both = self.context(ops.cat((latent.astype(q.dtype), k_rot.reshape(b, s, self.rope)), -1))
             sk = both.shape[1]
             latent, k_rot = split_last(both, self.cfg.kv_lora_rank)
-            k_rot = k_rot.reshape(b, 1, sk, self.rope).astype(q.dtype)
+            k_rot = k_rot.reshape(b, 1, sk, self.rope)
         kv = self.kv_b_proj(latent)
         kv = kv.reshape(b, sk, h, self.nope + self.v_dim).transpose(0, 2, 1, 3)
         k_nope, v = split_last(kv, self.nope)

@@ -273,9 +273,14 @@ def check_trainable(r: Recipe, processes: int) -> None:
 
 def _check_context_parallel(r: Recipe) -> None:
     """What context parallelism (parallel/cp) trains: a sequence cut into 2*cp equal blocks (each rank a front and
-    a back block), each rank's share split evenly over tp, and attention kernels that take a shard's query rows."""
+    a back block), each rank's share split evenly over tp, attention kernels that take a shard's query rows, and no
+    pipeline (a cp=2 x pp=2 run waited in its first step: not trained yet)."""
     p, m = r.parallel_config, r.model
     cp, tp = p.context_parallel, p.model_parallel
+    require(p.pipeline_stage == 1,
+            f"parallel_config.context_parallel: {cp} with pipeline_stage={p.pipeline_stage} is not trained yet "
+            f"(context parallelism trains beside data, tensor, sequence and expert parallelism); use --dry-run to "
+            f"plan this layout")
     require(m.seq_length % (2 * cp * tp) == 0,
             f"model.seq_length: {m.seq_length} is not divisible by 2*context_parallel*model_parallel = {2 * cp * tp} "
             f"(each context-parallel rank holds a front and a back block of every sequence, split over tp)")

@@ -36,10 +36,12 @@ def test_context_parallel_layouts_are_trainable_and_refusals_are_one_line():
     for assignments, world in ((["parallel_config.context_parallel=2"], 2),
                                (["parallel_config.context_parallel=2", "parallel_config.data_parallel=2"], 4),
                                (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
-                                 "parallel_config.use_seq_parallel=true"], 4),
-                               (["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
-                                 "parallel_config.micro_batch_num=2"], 4)):
+                                 "parallel_config.use_seq_parallel=true"], 4)):
         check_trainable(load_recipe("tiny", assignments), processes=world)
+    with pytest.raises(RecipeError, match=r"^parallel_config.context_parallel: 2 with pipeline_stage=2 is not "
+                                          r"trained yet"):
+        check_trainable(load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
+                                             "parallel_config.micro_batch_num=2"]), processes=4)
     r = load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.model_parallel=2"])
     r.model.seq_length = 132        # divisible by cp x tp, not by 2 x cp x tp
     with pytest.raises(RecipeError) as e:
