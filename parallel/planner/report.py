@@ -16,7 +16,7 @@ from parallel.planner.workload import Workload
 GIB = 2 ** 30
 # column -> ParallelLayout field
 COLUMNS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "dp": "dp", "ep": "ep", "etp": "etp", "mbs": "micro_batch_size",
-           "m": "micro_batch_num"}
+           "m": "micro_batch_num", "cp": "cp"}
 
 
 def layout_text(layout: ParallelLayout) -> str:
@@ -91,7 +91,7 @@ def recipe_overrides(c: Candidate, w: Workload) -> dict:
                   "moe_token_dispatcher_type": "hierarchical" if lay.ep_scheme == "hierarchical" else "alltoall"},
         "parallel_config": {"data_parallel": lay.dp, "model_parallel": lay.tp, "pipeline_stage": lay.pp,
                             "pp_interleave_num": lay.vpp, "expert_parallel": lay.ep,
-                            "expert_model_parallel": lay.etp, "context_parallel": 1,
+                            "expert_model_parallel": lay.etp, "context_parallel": lay.cp,
                             "micro_batch_num": lay.micro_batch_num, "use_seq_parallel": lay.tp > 1,
                             "devices_per_node": lay.devices_per_node},
         "recompute_config": {"recompute": sum(a.recompute_per_stage(2)) > 0,
