@@ -125,11 +125,9 @@ class AttentionCore(nn.Cell):
         super().__init__()
         self.scale = cfg.softmax_scale()
         self.flash = cfg.attention_kernel == "flash"
-        if positions is not None and self.flash and device_target == "Ascend":
-            raise ValueError("context_parallel: the Ascend flash attention binding takes whole sequences only")
         self.positions = None if positions is None else Tensor(positions)
         if self.flash:
-            self.flash_attention = flash_attention_for(device_target, self.scale)
+            self.flash_attention = flash_attention_for(device_target, self.scale, positions)
         self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
         self.compute_dtype = ms_dtype(cfg.compute_dtype)
         self.fused_softmax = (BiasSoftmaxCPU(self.scale) if device_target != "Ascend" and not self.flash
