@@ -20,6 +20,7 @@ from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, exp
                              kv_heads_split, layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
 from parallel.planner.cost_model import evaluate
 from parallel.planner.trainable import trainable
+from parallel.planner import trainable as trainable_module
 from parallel.planner.workload import Layouts, Workload
 
 
@@ -56,10 +57,13 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     ep_values = np.array(space.ep) if space.ep else divisors(s.num_routed_experts or 1)
     axes = [np.array(space.tp), pp_values, np.array(space.vpp), ep_values, np.array(space.etp),
             np.array(space.mbs), np.array([RECOMPUTE.index(r) for r in space.recompute]),
-            np.array([EP_SCHEMES.index(e) for e in space.ep_scheme]), np.array([int(o) for o in space.ep_overlap]),
-            np.array([c for c in space.cp if c == 1 or w.seq_length // c >= CP_MIN_POSITIONS])]
-    grids = np.meshgrid(*axes, indexing="ij", sparse=False)
-    tp, pp, vpp, ep, etp, mbs, rc, scheme, overlap, cp = (g.ravel() for g in grids)
+            np.array([EP_SCHEMES.index(e) for e in space.ep_scheme]), np.array([int(o) for o in space.ep_overlap])]
+    cp_values = np.array([c for c in space.cp if c > 1 and w.seq_length // c >= CP_MIN_POSITIONS], dtype=np.int64)
+    # cp > 1 is enumerated only over the pipeline depths it trains at (the raw product stays what it was at cp = 1)
+    cp_pp = pp_values if trainable_module.CONTEXT_PARALLEL_WITH_PIPELINE else pp_values[pp_values == 1]
+    blocks = [(axes, np.array([1] if 1 in space.cp else [], dtype=np.int64)), ([axes[0], cp_pp] + axes[2:], cp_values)]
+    tp, pp, vpp, ep, etp, mbs, rc, scheme, overlap, cp = (np.concatenate(parts) for parts in zip(*(
+        [g.ravel() for g in np.meshgrid(*block, cps, indexing="ij", sparse=False)] for block, cps in blocks)))
     raw = tp.size
     dp = n // (tp * cp * pp)
     ok = fills_world(dp, tp, cp, pp, n) & tp_within_node(tp, w.cluster.devices_per_node) & heads_split(s, tp)
