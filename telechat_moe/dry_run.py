@@ -90,7 +90,7 @@ def exchange_line(r: Recipe) -> str:
     """The rows the expert exchange sends against the routed copies they carry (parallel/ep/capacity.py)."""
     m, lay = r.model, r.layout
     k, E, cf = m.num_experts_per_tok, m.n_routed_experts, m.moe_expert_capacity_factor
-    tokens = r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // lay.tp \
+    tokens = r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // (lay.tp * lay.cp) \
         // m.moe_comm_chunks
     sizes = group_sizes(lay, m.moe_token_dispatcher_type)
     hierarchical = m.moe_token_dispatcher_type == "hierarchical"
