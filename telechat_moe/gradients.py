@@ -100,9 +100,10 @@ class PrepareGradients(nn.Cell):
 
 @dataclass
 class GradientGroups:
-    """The transports gradients are reduced on: data-parallel, expert-data-parallel, expert-parallel and
-    tensor-parallel groups; the expert group (ep x etp ranks: every expert shard once, the norm's sum; the EP
-    group's transport where etp = 1) and the expert-tensor-parallel group (tensor dumps put its shards together)."""
+    """The transports gradients are reduced on: data-parallel (data x context: a context-parallel rank's gradient is
+    that of its part of the sequence, parallel/cp), expert-data-parallel, expert-parallel and tensor-parallel
+    groups; the expert group (ep x etp ranks: every expert shard once, the norm's sum; the EP group's transport
+    where etp = 1) and the expert-tensor-parallel group (tensor dumps put its shards together)."""
     dp: object
     edp: object
     ep: object
@@ -117,8 +118,8 @@ class GradientGroups:
     @classmethod
     def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
         groups = ProcessGroups(layout, rank)
-        dp, edp, ep, tp, etp = (transport_for(groups.axis(a), device_target)
-                                for a in (Axis.DP, Axis.EDP, Axis.EP, Axis.TP, Axis.ETP))
+        dp, edp, ep, tp, etp = (transport_for(groups.axis(*a), device_target)
+                                for a in ((Axis.DP, Axis.CP), (Axis.EDP,), (Axis.EP,), (Axis.TP,), (Axis.ETP,)))
         return cls(dp, edp, ep, tp, ep if layout.etp == 1 else transport_for(groups.expert(), device_target), etp)
 
 

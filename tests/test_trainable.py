@@ -54,7 +54,8 @@ def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
                           "alltoall", "moe_comm_chunks": 2 if row.ep_overlap else 1},
                 "parallel_config": {"data_parallel": row.dp, "model_parallel": row.tp, "pipeline_stage": row.pp,
                                     "pp_interleave_num": row.vpp, "expert_parallel": row.ep,
-                                    "expert_model_parallel": row.etp, "micro_batch_num": row.micro_batch_num,
+                                    "expert_model_parallel": row.etp, "context_parallel": row.cp,
+                                    "micro_batch_num": row.micro_batch_num,
                                     "use_seq_parallel": row.tp > 1}}
         sets = [f"{section}.{k}={v}" for section, keys in body.items() for k, v in keys.items()]
         r = load_recipe("1t", sets + ["context.max_device_memory_gb=0"])
@@ -63,25 +64,28 @@ def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
 
 
 def test_each_switch_is_one_line(monkeypatch):
-    """Expert tensor parallelism, context parallelism and DualPipeV are trainable by their switch alone."""
+    """Expert tensor parallelism, context parallelism (and it under a pipeline) and DualPipeV are trainable by their
+    switch alone (all on but context parallelism under a pipeline)."""
     s = load_recipe("1t").model.to_model_shape()
     w = Workload(s, load_cluster("ascend910b"), devices=4096, seq_length=8192, global_batch=2048)
     etp = dict(tp=4, pp=16, ep=4, etp=4)
-    off = {"EXPERT_TENSOR_PARALLEL_TRAINS": False, "CONTEXT_PARALLEL_TRAINS": False,
-           "TRAINED_SCHEDULES": tuple(x for x in trainable.TRAINED_SCHEDULES if x != "dualpipev")}
-    on = {"EXPERT_TENSOR_PARALLEL_TRAINS": True, "CONTEXT_PARALLEL_TRAINS": True,
-          "TRAINED_SCHEDULES": off["TRAINED_SCHEDULES"] + ("dualpipev",)}
-    for key, value in off.items():
-        monkeypatch.setattr(trainable, key, value)
+    assert trainable.refusal(s, 8192, **etp) is None
+    assert trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2) is None
+    assert "context_parallel: 2 with pipeline_stage=16 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1,
+                                                                                                cp=2)
+    assert trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev") is None
+    assert set(enumerate_layouts(w)[0].etp) == {1, 2, 4, 8}
+    monkeypatch.setattr(trainable, "EXPERT_TENSOR_PARALLEL_TRAINS", False)
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", False)
+    monkeypatch.setattr(trainable, "TRAINED_SCHEDULES", tuple(x for x in trainable.TRAINED_SCHEDULES
+                                                              if x != "dualpipev"))
     assert "expert_model_parallel: 4 is not trained yet" in trainable.refusal(s, 8192, **etp)
-    assert "context_parallel: 2 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2)
+    assert "context_parallel: 2 is not trained yet" in trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2)
     assert "dualpipev is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev")
     assert set(enumerate_layouts(w)[0].etp) == {1}
-    for key, value in on.items():
-        monkeypatch.setattr(trainable, key, value)
-    assert trainable.refusal(s, 8192, **etp) is None
-    assert trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2, schedule="dualpipev") is None
-    assert set(enumerate_layouts(w)[0].etp) == {1, 2, 4, 8}
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_WITH_PIPELINE", True)
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", True)
+    assert trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2) is None
 
 
 def test_vectorised_and_one_layout_agree():
