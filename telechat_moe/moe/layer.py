@@ -34,10 +34,13 @@ ROUTING_STATS = 5   # after the expert load in a layer's routing statistics: the
 
 class MoELayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, grouped_matmul, layer: int = 0, ep: ExpertParallel = ExpertParallel(),
-                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp", device_target: str = "CPU"):
+                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp", device_target: str = "CPU",
+                 sequence_group: TensorParallel | None = None):
+        """`sequence_group`: the ranks that share a sequence's positions, whose statistics the router's balance
+        losses sum (the default: `tp`; under context parallelism tp x cp, parallel.cp.ContextParallel.tokens)."""
         super().__init__()
         cdt = ms_dtype(cfg.compute_dtype)
-        self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), tp)
+        self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), sequence_group or tp)
         # with spare slots the dispatcher sends copies to global slots (ep x (E/ep + spare)), the labels mapped
         # by `slots`
         self.slots = ExpertSlots(cfg.n_routed_experts, ep.ep, ep.spare_slots) if ep.spare_slots else None
@@ -48,7 +51,7 @@ class MoELayer(nn.Cell):
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.initializer_range, grouped_matmul, cdt, layer, ep.spare_slots,
-                                      swiglu_packed_for(device_target))
+                                      swiglu_packed_for(device_target), ep.tensor)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
                                      cfg.initializer_range, cdt, seed, f"{name}.shared_experts", tp, device_target)
         # the rank's token share under tp without sequence parallelism: split off, and the outputs gathered back
