@@ -69,22 +69,16 @@ class StagePlan:
 
 def stage_plan(recipe, rank: int) -> StagePlan:
     """The placement MILP's cut of the recipe's model for its layout (see the module docstring)."""
-    from parallel.pipeline.placement import PlacementOptions, balance, planner_units
-    from telechat_moe.workload import recipe_layout, recipe_workload
-    cluster = "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
-    w = recipe_workload(recipe, cluster)
-    layout = recipe_layout(recipe, w)
-    units = planner_units(w, layout)
-    shape = ChunkLayout.V if recipe.parallel_config.pipeline_scheduler == "dualpipev" else ChunkLayout.INTERLEAVED
-    placement = balance(units, layout.pp, layout.vpp, PlacementOptions(micro_batches=layout.micro_batch_num,
-                                                                       chunk_layout=shape))
+    from telechat_moe.workload import recipe_placement
+    placement = recipe_placement(recipe)
     bounds, at = [], 0
     for seg in placement.segments:
         n = sum(u.kind in ("dense", "moe") for u in seg)
         bounds.append((at, at + n))
         at += n
     stage = sorted(recipe.layout.group_of(Axis.PP, rank)).index(rank)
-    return StagePlan(tuple(bounds), layout.pp, layout.vpp, stage, placement.describe(), shape)
+    return StagePlan(tuple(bounds), placement.stages, placement.chunks, stage, placement.describe(),
+                     placement.chunk_layout)
 
 
 class StageChunk(nn.Cell):

@@ -13,6 +13,7 @@ import shutil
 
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli
+from tests.test_data_parallel import assert_memory_lines
 from tests.test_training import NO_EVAL, SHORT, sets
 
 
@@ -26,6 +27,7 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
                              f"output_dir={out}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "[pipeline] layers per chunk [0, 1, 1, 1, 1, 0]" in logs
+    assert_memory_lines(logs, 4)      # each stage's layers as the placement puts them, the embedding's copy
     assert_losses_match(one, out, range(1, 5), "pp=2 x vpp=3 x dp=2 x ep=2")
     assert_no_divergence(one, out)
     drawn = run_cli("-m", "scripts.pipeline_timeline", str(out), "--pipeline", "1", "--png-dir", str(tmp_path))
