@@ -375,6 +375,9 @@ class _Rank:
             if not cfg.tie_word_embeddings:
                 self.weight("lm_head.weight", (cfg.vocab_size, h), 0, "tp")
             self.head("lm_head", "cross_entropy")
+            if not has_embedding and cfg.num_nextn_predict_layers and not cfg.tie_word_embeddings:
+                # MTP's copy of the embedding on a last stage apart from it (model.StageParts; summed over the pair)
+                self.weight("embed_tokens.weight", (cfg.vocab_size, h), 0, "tp")
             for d in range(cfg.num_nextn_predict_layers):
                 self.mtp(d)
 

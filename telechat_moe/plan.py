@@ -2,9 +2,9 @@
 
 Scores every valid layout of the recipe's model on the cluster, balances the best by ILP, prints the top ones,
 and optionally writes the pick into a recipe (`--write`), draws step time against memory (`--png`), or scores one
-given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`, optionally under a pipeline `schedule=`). Layouts of two chunks per
-stage are also balanced under DualPipeV, whose plans are shown but not written (neither MindFormers nor the
-trainer runs it). `--model NAME` plans a named planner shape (model_shape.NAMED_SHAPES: dense, GQA and published
+given layout (`--evaluate tp=8,pp=16,vpp=2,ep=32`, optionally under a pipeline `schedule=`). The search proposes
+only what the trainer runs (parallel.planner.trainable, the predicate check_trainable asks), and `--write` writes
+every knob the pick was priced with; `--evaluate` prices any layout. `--model NAME` plans a named planner shape (model_shape.NAMED_SHAPES: dense, GQA and published
 models) in place of the recipe's model, under the recipe's training settings. `--export-mindformers OUT.yaml`
 scores the `--evaluate` layout, or else the recipe's own, and writes its pipeline plan as MindFormers' recipe keys
 (parallel.pipeline.mindformers_export). Bad input: one line on stderr, exit code 2. It reads recipes, so it lives
@@ -33,6 +33,7 @@ from parallel.planner.search import SearchSpace, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import (chunk_layout, even_assignment, held_profiles, schedule_name, score_assignment,
                                        solve_ilp)
+from parallel.planner.trainable import layout_refusal
 from parallel.planner.workload import Layouts, Workload
 from telechat_moe.recipe import RecipeError, find_recipe, load_recipe
 from telechat_moe.recipe_checks import layout_error_text
@@ -42,9 +43,6 @@ PROG = "python -m telechat_moe.plan"
 EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap", "schedule")
 # The pipeline schedules the planner balances and prices (placement.step_terms); gpipe only runs in the trainer.
 EVALUATE_SCHEDULES = ("1f1b", "interleaved", "overlapped", "dualpipev")
-# What the trainer's pipeline runs (pipeline_step: parallel_config.pipeline_scheduler 1f1b, interleaved when
-# pp_interleave_num > 1, or gpipe) and so what a written recipe can hold.
-TRAINER_SCHEDULES = ("1f1b", "interleaved")
 
 
 class PlanError(InputError):
@@ -134,14 +132,17 @@ def parse_schedule(text: str, layout: ParallelLayout) -> str:
     return schedule
 
 
-def check_writable(option: str, schedule: str) -> None:
-    """A written plan must run under the schedule it was balanced for: refuse the ones the trainer (TRAINER_SCHEDULES)
-    or, for MindFormers' keys, MindFormers cannot run (its export words 'overlapped' itself)."""
-    if schedule == "dualpipev" or (option == "--write" and schedule not in TRAINER_SCHEDULES):
-        mindformers = "MindFormers has no DualPipeV scheduler and " if schedule == "dualpipev" else ""
-        raise PlanError(f"{option}: the plan runs the {schedule} schedule; {mindformers}the trainer's pipeline runs "
-                        f"only gpipe, 1f1b and interleaved 1F1B (parallel_config.pipeline_scheduler, "
-                        f"pp_interleave_num); evaluate the layout with schedule=interleaved to write it")
+def check_writable(option: str, w: Workload, layout: ParallelLayout, schedule: str) -> None:
+    """A written plan must run where it goes: `--write`'s in the trainer (the predicate check_trainable asks,
+    parallel.planner.trainable), `--export-mindformers`' in MindFormers, which has no DualPipeV (its export words
+    'overlapped' itself)."""
+    if option == "--write":
+        problem = layout_refusal(w.shape, w.seq_length, layout, schedule)
+        if problem:
+            raise PlanError(f"--write: the trainer does not run this plan: {problem}")
+    elif schedule == "dualpipev":
+        raise PlanError(f"{option}: the plan runs the dualpipev schedule; MindFormers has no DualPipeV scheduler; "
+                        f"evaluate the layout with schedule=interleaved to write it")
 
 
 def own_layout(w: Workload, recipe) -> ParallelLayout:
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 schedule = schedule_name(layout)
             for option, out in (("--write", args.write), ("--export-mindformers", args.export_mindformers)):
                 if out:
-                    check_writable(option, schedule)
+                    check_writable(option, w, layout, schedule)
             candidates = run_evaluate(w, layout, schedule)
             result = None
         else:
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             if not candidates:
                 raise PlanError("--write: nothing to write, no layout fits")
-            check_writable("--write", candidates[0].schedule)
+            check_writable("--write", w, candidates[0].layout, candidates[0].schedule)
             write_recipe(args.write, recipe_path, candidates[0], w, command)
             print(f"wrote {args.write}")
         if args.export_mindformers:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from parallel.layout import (MINDFORMERS_KEYS, LayoutError, experts_split, global_batch_splits, heads_split,
                              layers_fill_chunks)
+from parallel.planner.trainable import refusal
 from telechat_moe.errors import RecipeError, require
 from telechat_moe.recipe_schema import ContextConfig, ProfileConfig, Recipe
 
@@ -110,6 +111,10 @@ def _validate_expert_placement(r: Recipe) -> None:
     require(not x.interval or m.n_group <= 1,
             f"expert_placement.interval: group-limited routing (model.n_group={m.n_group}) ties experts to their "
             f"groups; moving them is not supported")
+    # moving an expert moves whole experts between EP ranks; under expert tensor parallelism each is in etp shards
+    require(not x.interval or p.expert_model_parallel == 1,
+            f"expert_placement.interval: moving experts is not supported under expert_model_parallel="
+            f"{p.expert_model_parallel}; use 1")
     require(x.spare_slots >= 0, f"expert_placement.spare_slots: expected 0 or more, got {x.spare_slots}")
     if x.spare_slots:
         for ok, why in ((x.interval > 0, "expert_placement.interval > 0 (replicas are made by migrations)"),
@@ -246,63 +251,24 @@ def launched_processes(env: Mapping[str, str]) -> int:
 
 
 def check_trainable(r: Recipe, processes: int) -> None:
-    """What training needs beyond a valid recipe (a --dry-run plans any layout): an engine that runs the layout, a
-    dispatcher that is built, and one process per device of the layout. Checked before MindSpore initialises
-    communication, whose init() otherwise fails with a traceback or waits for peers that were never started."""
+    """What training needs beyond a valid recipe (a --dry-run plans any layout): the trainer runs the layout (the one
+    predicate the planner's search asks too, parallel.planner.trainable), and one process per device of the layout.
+    Checked before MindSpore initialises communication, whose init() otherwise fails with a traceback or waits for
+    peers that were never started."""
     p, m = r.parallel_config, r.model
-    for key, degree in (("context_parallel", p.context_parallel), ("expert_model_parallel", p.expert_model_parallel)):
-        require(degree == 1, f"parallel_config.{key}: {degree} is not trained yet (data, tensor, sequence, expert "
-                             f"and pipeline parallelism are); use --dry-run to plan this layout")
-    if p.model_parallel > 1:
-        _check_tensor_parallel(r)
-    if p.pipeline_stage > 1:
-        _check_pipeline(r)
-    require(p.expert_parallel == 1 or m.moe_token_dispatcher_type != "local",
-             f"model.moe_token_dispatcher_type: 'local' keeps every expert on every rank; expert_parallel="
-             f"{p.expert_parallel} needs alltoall or hierarchical")
-    world = r.layout.world_size
+    schedule = "gpipe" if p.pipeline_scheduler == "gpipe" else "interleaved" if p.pp_interleave_num > 1 else "1f1b"
+    dispatcher = {"alltoall": "flat"}.get(m.moe_token_dispatcher_type, m.moe_token_dispatcher_type)
+    lay = r.layout
+    problem = refusal(m.to_model_shape(), m.seq_length, lay.tp, lay.pp, lay.ep, lay.etp, lay.cp, lay.sp, dispatcher,
+                      schedule)
+    require(problem is None, problem or "")
+    world = lay.world_size
     devices = f"{world} device{'s' if world > 1 else ''}"
     launched = f"{processes} process{'es were' if processes > 1 else ' was'} launched"
     require(world == processes,
              f"parallel_config: data_parallel*model_parallel*context_parallel*pipeline_stage = {p.data_parallel}*"
              f"{p.model_parallel}*{p.context_parallel}*{p.pipeline_stage} = {devices}, but {launched} (use msrun "
              f"--worker_num={world}, or change parallel_config)")
-
-
-def _check_pipeline(r: Recipe) -> None:
-    """What the multi-process pipeline (telechat_moe/pipeline_step.py) runs beyond a valid layout (whose schedule
-    validate() checked): an untied head."""
-    p, m = r.parallel_config, r.model
-    require(not m.tie_word_embeddings,
-            f"model.tie_word_embeddings: a head tied to the embedding is not trained yet under pipeline "
-            f"parallelism (pipeline_stage={p.pipeline_stage}); untie it or use pipeline_stage=1")
-
-
-def _check_tensor_parallel(r: Recipe) -> None:
-    """What the tensor-parallel model splits over model_parallel ranks, each split whole: attention heads, the
-    tokens of a sequence (each rank routes its share; under sequence parallelism the residual stream is a sequence
-    shard), the vocabulary of the embedding, head and cross-entropy (always, whatever vocab_emb_dp says), the dense
-    and shared-expert FFN columns. Some of these validate() checks for any plan already; training checks them all."""
-    p, m = r.parallel_config, r.model
-    tp = p.model_parallel
-    require(m.num_attention_heads % tp == 0,
-             f"model.num_attention_heads: {m.num_attention_heads} heads are not divisible by model_parallel={tp}")
-    shards = "the sequence shards of sequence parallelism" if p.use_seq_parallel else "each rank's share of the tokens"
-    require(m.seq_length % tp == 0,
-             f"model.seq_length: {m.seq_length} is not divisible by model_parallel={tp} ({shards})")
-    require(m.vocab_size % tp == 0,
-             f"model.vocab_size: {m.vocab_size} is not divisible by model_parallel={tp}; training under tensor "
-             f"parallelism splits the embedding and head by vocabulary (vocab_emb_dp is planned, not trained): pad "
-             f"it to a multiple")
-    require(m.first_k_dense_replace == 0 or m.intermediate_size % tp == 0,
-             f"model.intermediate_size: {m.intermediate_size} (the dense FFN) is not divisible by model_parallel={tp}")
-    shared = m.moe_shared_expert_intermediate_size * m.n_shared_experts
-    require(m.n_shared_experts == 0 or shared % tp == 0,
-             f"model.moe_shared_expert_intermediate_size: {m.moe_shared_expert_intermediate_size} x n_shared_experts="
-             f"{m.n_shared_experts} = {shared} (the shared experts' FFN) is not divisible by model_parallel={tp}")
-    require(not m.tie_word_embeddings,
-             f"model.tie_word_embeddings: a head tied to the embedding is not trained yet under tensor parallelism "
-             f"(model_parallel={tp}); untie it or use model_parallel=1")
 
 
 def _is_number(text: str) -> bool:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from parallel.layout import ParallelLayout
+from parallel.planner import trainable
 from parallel.planner.cluster import load_cluster
 from parallel.planner.refine import balance_and_simulate, refine, schedules_for
 from parallel.planner.search import SearchSpace, divisors, enumerate_layouts, search
@@ -74,17 +75,27 @@ def test_ranking_puts_the_fastest_fitting_layout_first(devices):
     assert r.scores["step_time"][order[0]] == r.scores["step_time"][r.scores["fits"].astype(bool)].min()
 
 
-def test_refine_keeps_each_layout_under_its_faster_schedule():
-    """A vpp=2 layout with m >= 2p is balanced under interleaved 1F1B and DualPipeV and listed under the one the
-    simulator finds faster; others only under their default."""
+def test_refine_keeps_each_layout_under_its_faster_schedule(monkeypatch):
+    """A vpp=2 layout with m >= 2p is balanced under interleaved 1F1B and DualPipeV (once the trainer runs it: the
+    predicate's one line, switched on here) and listed under the one the simulator finds faster; others only under
+    their default."""
+    monkeypatch.setattr(trainable, "TRAINED_SCHEDULES", trainable.TRAINED_SCHEDULES + ("dualpipev",))
     w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
     result = search(w, SearchSpace(tp=(8,), pp=(4, 8), vpp=(1, 2), ep_overlap=(True,)))
     candidates = refine(w, result, top=4)
-    assert candidates and any(schedules_for(c.layout) == ("interleaved", "dualpipev") for c in candidates)
+    assert candidates and any(schedules_for(w, c.layout) == ("interleaved", "dualpipev") for c in candidates)
     for c in candidates:
-        others = [balance_and_simulate(w, c.layout, s) for s in schedules_for(c.layout) if s != c.schedule]
-        assert c.schedule in schedules_for(c.layout)
+        others = [balance_and_simulate(w, c.layout, s) for s in schedules_for(w, c.layout) if s != c.schedule]
+        assert c.schedule in schedules_for(w, c.layout)
         assert all(o is None or c.scores["step_time"] <= o.scores["step_time"] * (1 + 1e-9) for o in others)
+
+
+def test_refine_proposes_only_schedules_the_trainer_runs():
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+    candidates = refine(w, search(w, SearchSpace(tp=(8,), pp=(4, 8), vpp=(1, 2), ep_overlap=(True,))), top=4)
+    assert candidates and all(c.schedule in trainable.TRAINED_SCHEDULES for c in candidates)
+    assert all(schedules_for(w, c.layout) == (c.schedule,) for c in candidates) or \
+        "dualpipev" in trainable.TRAINED_SCHEDULES
 
 
 def test_score_assignment_follows_the_schedule():

@@ -53,6 +53,26 @@ void update_range(const Tensors &t, const Hyper &h, int64_t lo, int64_t hi) {
   }
 }
 
+// every element of `t`, end to end, split evenly over h.threads threads
+void update_all(const Tensors &t, const Hyper &h) {
+  const int64_t total = t.start.back();
+  // a thread per 256K elements at most: below that starting one costs more than it saves
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(h.threads), total >> 18));
+  const int64_t chunk = ((total + threads - 1) / threads + 15) & ~int64_t(15);   // whole 16-float blocks
+  std::vector<std::thread> others;
+  for (int64_t i = 1; i < threads; ++i)
+    others.emplace_back(update_range, std::cref(t), std::cref(h), std::min(total, i * chunk),
+                        std::min(total, (i + 1) * chunk));
+  update_range(t, h, 0, std::min(total, chunk));
+  for (auto &other : others) other.join();
+}
+
+int64_t elements(int ndim, const int64_t *shape) {
+  int64_t s = 1;
+  for (int d = 0; d < ndim; ++d) s *= shape[d];
+  return s;
+}
+
 }  // namespace
 
 extern "C" {
@@ -65,11 +85,7 @@ int AdamW(int nparam, void **params, int *ndims, int64_t **shapes, const char **
     if (std::strcmp(dtypes[i], "float32") != 0) return 1;
   if ((nparam - 3) % 4 != 0) return 2;
   const int n = (nparam - 3) / 4;
-  auto size = [&](int i) {
-    int64_t s = 1;
-    for (int d = 0; d < ndims[i]; ++d) s *= shapes[i][d];
-    return s;
-  };
+  auto size = [&](int i) { return elements(ndims[i], shapes[i]); };
   if (size(4 * n + 1) != n) return 2;
   Tensors t;
   t.start.push_back(0);
@@ -87,16 +103,7 @@ int AdamW(int nparam, void **params, int *ndims, int64_t **shapes, const char **
   t.decay = static_cast<const float *>(params[4 * n + 1]);
   *static_cast<float *>(params[nparam - 1]) = 0.0f;
   if (h.finite != 1.0f) return 0;
-  const int64_t total = t.start.back();
-  // a thread per 256K elements at most: below that starting one costs more than it saves
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(h.threads), total >> 18));
-  const int64_t chunk = ((total + threads - 1) / threads + 15) & ~int64_t(15);   // whole 16-float blocks
-  std::vector<std::thread> others;
-  for (int64_t i = 1; i < threads; ++i)
-    others.emplace_back(update_range, std::cref(t), std::cref(h), std::min(total, i * chunk),
-                        std::min(total, (i + 1) * chunk));
-  update_range(t, h, 0, std::min(total, chunk));
-  for (auto &other : others) other.join();
+  update_all(t, h);
   return 0;
 }
 
@@ -112,11 +119,7 @@ int AdamWSlice(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   for (int i = 0; i < nparam - 2; ++i)
     if (std::strcmp(dtypes[i], "float32") != 0) return 1;
   if (std::strcmp(dtypes[nparam - 2], "int64") != 0) return 1;
-  auto size = [&](int i) {
-    int64_t s = 1;
-    for (int d = 0; d < ndims[i]; ++d) s *= shapes[i][d];
-    return s;
-  };
+  auto size = [&](int i) { return elements(ndims[i], shapes[i]); };
   const int64_t slice = size(n);
   if (size(n + 1) != slice || size(n + 2) != slice || size(n + 4) != 1) return 2;
   Hyper h;
@@ -145,15 +148,7 @@ int AdamWSlice(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   if (t.p.empty()) return 0;
   std::vector<float> decays(t.p.size(), decay);
   t.decay = decays.data();
-  const int64_t total = t.start.back();
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(h.threads), total >> 18));
-  const int64_t chunk = ((total + threads - 1) / threads + 15) & ~int64_t(15);
-  std::vector<std::thread> others;
-  for (int64_t i = 1; i < threads; ++i)
-    others.emplace_back(update_range, std::cref(t), std::cref(h), std::min(total, i * chunk),
-                        std::min(total, (i + 1) * chunk));
-  update_range(t, h, 0, std::min(total, chunk));
-  for (auto &other : others) other.join();
+  update_all(t, h);
   return 0;
 }
 

@@ -151,6 +151,8 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     kept for in-flight micro-batches plus the largest transient of one block)."""
     p, d = w.precision, w.shape.mtp_depth
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
+    # MTP's copy of the embedding on a last stage apart from it (model_shape.stage_parameters)
+    dense = dense + st.last * (1 - st.embedding) * (d > 0 and not w.shape.tie_embeddings) * b.embedding.dense_params
     largest_act = st.last * (d > 0) * _pick(b.mtp.act, st.mtp_mode)  # the largest block's kept activations
     replicated = st.last * (b.head.replicated_params + d * b.mtp.replicated_params)
     expert = st.last * d * b.mtp.expert_params

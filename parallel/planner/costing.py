@@ -58,8 +58,10 @@ class Costing:
         return nbytes / self.mem_bw
 
     def group_span(self, size, stride):
-        """(nodes spanned, members per node) of a group of `size` ranks `stride` apart in a contiguous block."""
-        nodes = np.maximum(1.0, np.ceil(size * stride / self.dpn))
+        """(nodes spanned, members per node) of a group of `size` ranks `stride` apart: a node holds dpn / stride of
+        them, or one where the stride reaches past a node (the expert-data-parallel group, ep * etp apart)."""
+        per_node = np.clip(np.floor(self.dpn / stride), 1.0, np.maximum(size, 1.0))
+        nodes = np.ceil(size / per_node)
         return nodes, size / nodes
 
     def all_gather(self, total_bytes, size, stride=1.0):

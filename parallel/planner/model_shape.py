@@ -283,6 +283,9 @@ def stage_parameters(s: ModelShape, layout: ParallelLayout,
             # a tied head on a separate last stage is a second copy, kept in sync by an all-reduce
             dense += b["final_norm"] + (b["vocab"] if not s.tie_embeddings or layout.pp > 1 else 0)
             dense += s.mtp_depth * b["mtp_dense"]
+            # MTP embeds the next tokens: a last stage apart from the embedding's keeps its own copy of it (summed
+            # with the first stage's gradient); a tied head is that copy already
+            dense += b["vocab"] if s.mtp_depth and layout.pp > 1 and not s.tie_embeddings else 0
             expert += s.mtp_depth * b["mtp_expert"]
         out.append({"dense": dense, "expert": expert})
     return out

@@ -15,6 +15,7 @@ from parallel.pipeline.schedules import dualpipe_v_unfit
 from parallel.planner.search import SearchResult, SearchSpace, enumerate_layouts, search
 from parallel.planner.simulate import simulate_layout
 from parallel.planner.stage_ilp import StageAssignment, schedule_name, score_assignment, solve_ilp
+from parallel.planner.trainable import trainable
 from parallel.planner.workload import Workload
 
 NEAR_FIT = 1.3  # layouts up to this multiple of the memory limit may still fit once the ILP re-balances them
@@ -28,12 +29,15 @@ class Candidate:
     schedule: str  # the pipeline schedule the assignment was balanced and simulated under (schedules.SCHEDULES)
 
 
-def schedules_for(layout: ParallelLayout) -> tuple[str, ...]:
+def schedules_for(w: Workload, layout: ParallelLayout) -> tuple[str, ...]:
     """The schedules `refine` balances a layout under: its default (1F1B, interleaved with virtual chunks), and
     DualPipeV where the layout can run it (schedules.dualpipe_v_unfit: two chunks per stage, its V, and at least 2p
-    micro-batches; two chunks have more than one stage to turn at by the layout rules, interleave_has_stages)."""
+    micro-batches; two chunks have more than one stage to turn at by the layout rules, interleave_has_stages) and
+    the trainer runs it (parallel.planner.trainable)."""
     default = schedule_name(layout)
-    v_fits = dualpipe_v_unfit(layout.pp, layout.vpp, layout.micro_batch_num) is None
+    v_fits = dualpipe_v_unfit(layout.pp, layout.vpp, layout.micro_batch_num) is None and trainable(
+        w.shape, w.seq_length, layout.tp, layout.pp, layout.ep, layout.etp, layout.cp, layout.sp, layout.ep_scheme,
+        "dualpipev")
     return (default, "dualpipev") if v_fits else (default,)
 
 
@@ -55,7 +59,7 @@ def balance_and_simulate(w: Workload, layout: ParallelLayout, schedule: str) -> 
 
 def balance_best(w: Workload, layout: ParallelLayout) -> Candidate | None:
     """`layout` balanced under each schedule it can run (`schedules_for`), the fastest simulated; None if none fits."""
-    balanced = [c for c in (balance_and_simulate(w, layout, name) for name in schedules_for(layout)) if c]
+    balanced = [c for c in (balance_and_simulate(w, layout, name) for name in schedules_for(w, layout)) if c]
     return min(balanced, key=lambda c: c.scores["step_time"]) if balanced else None
 
 

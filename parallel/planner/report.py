@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from parallel.layout import ParallelLayout
+from parallel.layout import RECOMPUTE, ParallelLayout
 from parallel.planner.refine import Candidate
 from parallel.planner.search import SearchResult
 from parallel.planner.workload import Workload
@@ -83,19 +83,31 @@ def plot(result: SearchResult, candidates: list[Candidate], w: Workload, path: s
     plt.close(fig)
 
 
+def written_recompute(c: Candidate) -> str:
+    """The one recompute mode a recipe holds for the pick (the trainer recomputes every layer alike; the ILP may
+    have chosen per stage): the most any of its layers was priced with, so that every stage fits."""
+    counts = [sum(c.assignment.recompute_per_stage(mode)) for mode in range(len(RECOMPUTE))]
+    return RECOMPUTE[max(mode for mode, n in enumerate(counts) if n or mode == 0)]
+
+
 def recipe_overrides(c: Candidate, w: Workload) -> dict:
-    """The recipe sections that the pick changes, in the recipe's own key names."""
-    lay, a = c.layout, c.assignment
+    """The recipe sections that the pick changes, in the recipe's own key names: every knob it was priced with
+    (degrees, micro-batches, dispatcher scheme, EP overlap as token slices, recompute, pipeline schedule)."""
+    lay = c.layout
+    recompute = written_recompute(c)
     return {
         "model": {"seq_length": w.seq_length,
-                  "moe_token_dispatcher_type": "hierarchical" if lay.ep_scheme == "hierarchical" else "alltoall"},
+                  "moe_token_dispatcher_type": "hierarchical" if lay.ep_scheme == "hierarchical" else "alltoall",
+                  # EP overlap is priced as two token slices, each its own exchange (costing.Costing.slices)
+                  "moe_comm_chunks": 2 if lay.ep_overlap else 1},
         "parallel_config": {"data_parallel": lay.dp, "model_parallel": lay.tp, "pipeline_stage": lay.pp,
                             "pp_interleave_num": lay.vpp, "expert_parallel": lay.ep,
                             "expert_model_parallel": lay.etp, "context_parallel": 1,
                             "micro_batch_num": lay.micro_batch_num, "use_seq_parallel": lay.tp > 1,
-                            "devices_per_node": lay.devices_per_node},
-        "recompute_config": {"recompute": sum(a.recompute_per_stage(2)) > 0,
-                             "select_recompute": sum(a.recompute_per_stage(1)) > 0},
+                            "devices_per_node": lay.devices_per_node,
+                            # interleaved 1F1B is the trainer's 1f1b with pp_interleave_num > 1
+                            "pipeline_scheduler": "1f1b" if c.schedule == "interleaved" else c.schedule},
+        "recompute_config": {"recompute": recompute == "full", "select_recompute": recompute == "selective"},
         "training": {"global_batch_size": w.global_batch},
     }
 
@@ -115,7 +127,8 @@ def write_recipe(path: str, base_recipe: Path, c: Candidate, w: Workload, comman
         f"MFU {100 * sc['mfu']:.1f}%, peak memory {sc['memory'] / GIB:.1f} GiB, bubble {100 * sc['bubble']:.1f}%.",
         f"# Micro-batch size {c.layout.micro_batch_size} sequences; EP scheme {c.layout.ep_scheme}; EP overlap (two "
         f"chunks on two streams): {'on' if c.layout.ep_overlap else 'off'}.",
-        f"# Per stage (not yet recipe keys): {stage_text(c)}",
+        f"# Per stage (not yet recipe keys): {stage_text(c)}; written as {written_recompute(c)} recompute for every "
+        f"layer.",
     ]
     body = {"base": base, **recipe_overrides(c, w)}
     write_atomically(out, "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))

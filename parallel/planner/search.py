@@ -5,7 +5,8 @@ count and the number of micro-batches from the global batch. A layout is dropped
 exist (the rules of parallel.layout, evaluated on the arrays: divisibility, micro-batch counts, heads and GQA's KV
 heads, experts (a dense model has none: ep = etp = 1), layers, tensor parallelism within a node), lies outside the
 space searched (expert TP wider than the dense TP) or is a duplicate (an EP scheme or overlap without EP, a
-hierarchical scheme inside one node).
+hierarchical scheme inside one node). A layout the trainer does not run (parallel.planner.trainable, the predicate
+`check_trainable` asks) is dropped too, so that every layout the planner proposes trains.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, exp
                              global_batch_splits, heads_split, interleave_fills_stages, interleave_has_stages,
                              kv_heads_split, layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
 from parallel.planner.cost_model import evaluate
+from parallel.planner.trainable import trainable
 from parallel.planner.workload import Layouts, Workload
 
 
@@ -61,6 +63,9 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     m = w.global_batch // (dp * mbs)
     ok &= micro_batches_fill_stages(pp, m) & interleave_has_stages(pp, vpp) & interleave_fills_stages(pp, vpp, m)
     ok &= layers_fill_chunks(s, pp, vpp)
+    # the default schedule of each layout (1f1b, interleaved); refine adds another only where the trainer runs it
+    ok &= trainable(s, w.seq_length, tp, pp, ep, etp, sp=tp > 1, ep_scheme=np.array(EP_SCHEMES)[scheme],
+                    schedule=np.where(vpp > 1, "interleaved", "1f1b"))
     # duplicates: EP options that change nothing
     ok &= (ep > 1) | ((scheme == 0) & (overlap == 0))
     ok &= (scheme == 0) | (ep * etp > w.cluster.devices_per_node)

@@ -1,0 +1,194 @@
+"""Parallel layouts against one process over a whole run: the same recipe trained by one process and by each layout
+under msrun on this machine, their losses side by side, step by step.
+
+Per layout: every step's loss, lm_loss and gradient norm against the one-process run's, as a relative error over
+precision/'s float32 chain tolerance for that many steps (a step's error may grow with the steps before it: each
+step's update feeds the next); the held-out loss at the end; and `precision.compare` on both runs' tensor dumps at
+step 1 (the first step must agree tensor by tensor) and at the last step N with every tolerance times N, the errors
+N updates carry (reported, not required: after tens of steps a router score tie may fall the other way when a layout
+sums in another order, which the compare names).
+The second run reads the first one's tokenizer, so both see the same token ids. Runs go one at a time through the
+tests' machine-wide msrun lock.
+
+A layout is a quoted list of tokens: dpN, tpN (model_parallel), ppN, vppN (pp_interleave_num), epN, etpN
+(expert_model_parallel), cpN (context_parallel), mN (micro_batch_num), sp (use_seq_parallel), hier (the hierarchical
+dispatcher, 2 devices a node), or any recipe assignment key=value:
+
+    .venv/bin/python -m bench.layout_agreement --steps 30 --layout "dp2" --layout "dp2 ep2" --layout "pp2 dp2 m4" \\
+        [--recipe tiny] [--set parallel_config.optimizer_shard=true] [--out DIR] [--markdown FILE]
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oneline import OneLineParser
+from precision.compare import compare_runs, first_divergence_text
+from precision.tolerance import chain_tolerance, relative_error
+from tests.helpers import msrun, run_cli
+
+KEYS = {"dp": "parallel_config.data_parallel", "tp": "parallel_config.model_parallel",
+        "pp": "parallel_config.pipeline_stage", "vpp": "parallel_config.pp_interleave_num",
+        "ep": "parallel_config.expert_parallel", "etp": "parallel_config.expert_model_parallel",
+        "cp": "parallel_config.context_parallel", "m": "parallel_config.micro_batch_num"}
+FLAGS = {"sp": ["parallel_config.use_seq_parallel=true"],
+         "hier": ["model.moe_token_dispatcher_type=hierarchical", "parallel_config.devices_per_node=2"]}
+# The degrees whose product is the number of processes (ep and etp split ranks that dp and tp already count).
+WORLD = ("dp", "tp", "pp", "cp")
+COMPARED = ("loss", "lm_loss", "grad_norm")
+
+
+@dataclass
+class Layout:
+    name: str
+    assignments: list[str]
+    world: int
+
+
+@dataclass
+class RunResult:
+    """One run's logged records: step -> {loss, lm_loss, grad_norm, ...}, and its held-out loss."""
+    steps: dict[int, dict]
+    held_out: float
+
+
+@dataclass
+class Agreement:
+    layout: Layout
+    run: RunResult
+    worst_over_tolerance: float          # max over steps and COMPARED of relative error / the step's tolerance
+    worst_step: int
+    held_out_error: float
+    first_step: list[str] = field(default_factory=list)   # precision.compare's verdict at step 1
+    last_step: list[str] = field(default_factory=list)
+
+
+def parse_layout(text: str) -> Layout:
+    """'pp2 dp2 m4 sp' -> the recipe assignments and the process count; a bad token is a usage error."""
+    assignments, degrees = [], {}
+    for token in text.split():
+        if "=" in token:
+            assignments.append(token)
+        elif token in FLAGS:
+            assignments += FLAGS[token]
+        else:
+            head = token.rstrip("0123456789")
+            if head not in KEYS or head == token:
+                raise ValueError(f"--layout: unknown token {token!r} in {text!r} (dpN tpN ppN vppN epN etpN cpN mN "
+                                 f"sp hier or key=value)")
+            degrees[head] = int(token[len(head):])
+            assignments.append(f"{KEYS[head]}={degrees[head]}")
+    return Layout(text, assignments, math.prod(degrees.get(k, 1) for k in WORLD))
+
+
+def read_run(out: Path) -> RunResult:
+    steps, held_out = {}, math.nan
+    for line in (out / "logs" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            steps[record["step"]] = record
+        if "eval_lm_loss" in record:
+            held_out = record["eval_lm_loss"]
+    return RunResult(steps, held_out)
+
+
+def train(layout: Layout, common: list[str], out: Path, tokenizer: Path | None) -> RunResult:
+    args = ["run_train.py", "--recipe", common[0]]
+    for assignment in [*common[1:], *layout.assignments, f"output_dir={out}"] + (
+            [f"data.tokenizer={tokenizer}"] if tokenizer else []):
+        args += ["--set", assignment]
+    print(f"[agreement] {layout.name or 'one process'}: {layout.world} process(es) ...", flush=True)
+    if layout.world == 1:
+        proc = run_cli(*args, timeout=3600)
+        logs = proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        proc, logs = msrun(layout.world, out.parent / f"{out.name}_logs", *args, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.layout_agreement: {layout.name or 'one process'} failed (exit {proc.returncode}):"
+                         f"\n{logs}")
+    return read_run(out)
+
+
+def tokens_per_step(recipe: str, sets: list[str]) -> int:
+    from telechat_moe.recipe import load_recipe
+    r = load_recipe(recipe, sets)
+    return r.training.global_batch_size * r.model.seq_length
+
+
+def agree(layout: Layout, one: RunResult, run: RunResult, tokens: int, one_dir: Path, out: Path) -> Agreement:
+    worst, worst_step = 0.0, 0
+    for step, base in one.steps.items():
+        rtol = chain_tolerance("float32", [tokens] * step).rtol
+        for key in COMPARED:
+            ratio = relative_error(run.steps[step][key], base[key]) / rtol
+            if ratio > worst:
+                worst, worst_step = ratio, step
+    last = max(one.steps)
+    return Agreement(layout, run, worst, worst_step, relative_error(run.held_out, one.held_out),
+                     first_divergence_text(compare_runs(one_dir / "dump", out / "dump", step=1)),
+                     first_divergence_text(compare_runs(one_dir / "dump", out / "dump", step=last, rtol_scale=last)))
+
+
+def table(one: RunResult, results: list[Agreement]) -> list[str]:
+    """Markdown: the loss of every step, one column per run; then the summary rows."""
+    head = "| step | one process | " + " | ".join(a.layout.name for a in results) + " |"
+    lines = [head, "|" + " --- |" * (2 + len(results))]
+    for step in sorted(one.steps):
+        cells = [f"{one.steps[step]['loss']:.6f}"] + [f"{a.run.steps[step]['loss']:.6f}" for a in results]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines.append("| held-out | " + " | ".join([f"{one.held_out:.6f}"] + [f"{a.run.held_out:.6f}" for a in results])
+                 + " |")
+    lines.append("| worst error / tolerance (step) | - | " + " | ".join(
+        f"{a.worst_over_tolerance:.3f} ({a.worst_step})" for a in results) + " |")
+    lines.append("| compare at step 1 | - | " + " | ".join(a.first_step[0].split(":")[0] for a in results) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="python -m bench.layout_agreement", description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="tiny")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layout", action="append", required=True, help="e.g. 'dp2 ep2' (repeatable)")
+    ap.add_argument("--set", action="append", default=[], help="a recipe assignment for every run (repeatable)")
+    ap.add_argument("--out", help="keep the runs here (default: a temporary folder, removed)")
+    ap.add_argument("--markdown", help="also write the table to this file")
+    args = ap.parse_args(argv)
+    try:
+        layouts = [parse_layout(text) for text in args.layout]
+    except ValueError as error:
+        ap.error(str(error))
+    common = [args.recipe, f"training.train_steps={args.steps}", f"training.dump_steps=1,{args.steps}",
+              "training.log_interval=1", f"training.eval_interval={args.steps}",
+              "training.save_interval=0", *args.set]
+    root = Path(args.out or tempfile.mkdtemp(prefix="layout_agreement."))
+    try:
+        one_dir = root / "one"
+        one = train(Layout("", [], 1), common, one_dir, None)
+        tokens = tokens_per_step(args.recipe, common[1:])
+        results = []
+        for i, layout in enumerate(layouts):
+            out = root / f"layout{i}"
+            results.append(agree(layout, one, train(layout, common, out, one_dir / "tokenizer.model"), tokens,
+                                 one_dir, out))
+    finally:
+        if not args.out:
+            shutil.rmtree(root, ignore_errors=True)
+    lines = [f"{args.recipe}, {args.steps} steps, every run with: {' '.join(args.set) or '(recipe as written)'}", "",
+             *table(one, results), ""]
+    for a in results:
+        lines += [f"{a.layout.name} ({a.layout.world} processes): held-out relative error {a.held_out_error:.2e}",
+                  *(f"  step 1: {line}" for line in a.first_step),
+                  *(f"  step {args.steps} (tolerances x {args.steps}): {line}" for line in a.last_step)]
+    print("\n".join(lines))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return 0 if all(a.first_step[0].startswith("no divergence") and a.worst_over_tolerance <= 1 for a in results) \
+        else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
