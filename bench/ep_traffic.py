@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.ep_traffic                          # every trace, the tiny model trained 60 steps
     .venv/bin/python -m bench.ep_traffic --tiny-output output/tiny   # the tiny trace from an earlier run's checkpoint
     .venv/bin/python -m bench.ep_traffic --traces uniform zipf --nodes 2 8 64 --k 8
+    .venv/bin/python -m bench.ep_traffic --traces tiny --exchange 1t   # rows the exact exchange sends, tiny -> 1t
 
 Placement and counting: parallel/ep/traffic.py (rank r holds experts [rE/R, (r+1)E/R), nodes of --devices-per-node
 consecutive ranks). Each row deals a trace of --tokens tokens to the R = nodes x devices-per-node ranks (contiguous
@@ -21,6 +22,8 @@ one expert per rank), as the E column says. Traces:
   tiny      - recipes/tiny.yaml trained --tiny-steps steps in this process (16 experts, top-4, 3 MoE layers),
               routing recorded on its held-out batches; only layouts with R <= 16 exist for 16 experts, so its rows
               use 2 to 8 nodes of 2 to 8 devices (--tiny-layouts), the 3 layers pooled.
+--exchange RECIPE: the rows the exact flat exchange sends against the routed copies, counted by the trainer's
+dispatcher on the tiny trace scaled to the recipe's experts, top-k, ep and tokens per rank (exchange_rows).
 Columns: inter- and intra-node KiB per token per MoE layer (dispatch), flat/hier inter-node ratio, the trace's mean
 experts per touched remote node (counted per (token, node) pair: equal to the ratio by construction), and its
 analytic value for uniform routing (traffic.uniform_expected_reduction).
@@ -114,9 +117,19 @@ def exchange_rows(rec, recipe_name: str, rng) -> dict:
     from telechat_moe.moe.dispatch import AllToAllDispatcher
     from telechat_moe.recipe import load_recipe
     from telechat_moe.routing_trace import scale_routing
+    class SentRows(ms.nn.Cell):
+        def __init__(self, dispatcher):
+            super().__init__()
+            self.dispatcher = dispatcher
+
+        def construct(self, x, indices, weights):
+            return self.dispatcher.sent_rows(self.dispatcher.dispatch(x, indices, weights)[2])
+
     r = load_recipe(recipe_name)
     ep, experts, k, tokens = r.layout.ep, r.model.n_routed_experts, r.model.num_experts_per_tok, slice_tokens(r)
-    dispatcher = AllToAllDispatcher(experts, SelfTransport(Group("ep_stand_in", tuple(range(ep)), 0)), ms.float32)
+    ms.set_context(mode=ms.GRAPH_MODE)      # one compile, then each rank's call runs the compiled exchange
+    count = SentRows(AllToAllDispatcher(experts, SelfTransport(Group("ep_stand_in", tuple(range(ep)), 0)),
+                                        ms.float32))
     x, weights = Tensor(np.ones((tokens, 1), np.float32)), Tensor(np.ones((tokens, k), np.float32))
     sent = copies = 0
     received = np.zeros(ep)
@@ -124,8 +137,7 @@ def exchange_rows(rec, recipe_name: str, rng) -> dict:
         pool = scale_routing(layer, rec.num_experts, experts, k, rng)
         for rank in range(ep):      # the layer's tokens dealt to the ranks in turn, reused once all are dealt
             idx = pool[np.arange(rank * tokens, (rank + 1) * tokens) % len(pool)]
-            state = dispatcher.dispatch(x, Tensor(idx), weights)[2]
-            sent += int(dispatcher.sent_rows(state).asnumpy())
+            sent += int(count(x, Tensor(idx), weights).asnumpy())
             copies += idx.size
             received += np.bincount(idx.reshape(-1) // (experts // ep), minlength=ep)
     return {"recipe": recipe_name, "ep": ep, "experts": experts, "k": k, "tokens": tokens,
