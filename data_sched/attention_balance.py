@@ -19,6 +19,10 @@ micro-batch is mbs consecutive rows of it. Modes:
            only where a sample's share of short or long pieces ends (at most two cuts per re-packed sample) or,
            rarely, where a long piece fits no sample.
 
+Under context parallelism (`cp` > 1) a sample's attention term is its slowest cp rank's (context_split.py: the
+load-balanced split's blocks, each rank's causal work), so reorder balances what the step waits for; repack keeps
+reorder's plan there (its piece re-packing prices whole sequences).
+
 One cost model per plan: it balances, and it prices the plan's slot costs (`slot_costs_after`, `spread`: against
 the plan's own mean), which the bench reports; the loader plans with the recipe's calibration or the attention
 term alone.
@@ -36,6 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from data_sched.attention_cost import CostModel
+from data_sched.context_split import context_parallel_sq
 from data_sched.doc_lengths import DocLengths, _offsets, _segment_positions
 from data_sched.errors import DataError
 from data_sched.partition import _group_ranks, balanced_partition, partition_bound
@@ -139,13 +144,14 @@ def check_context_loss(share: float) -> None:
 
 def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mode: str, dp: int,
                          micro_batch_num: int, cost_model: CostModel, seed: int,
-                         max_context_loss: float = 1.0) -> BatchAssignment:
+                         max_context_loss: float = 1.0, cp: int = 1) -> BatchAssignment:
     """Assign the G samples of one global batch (given by their document lengths) to (rank, micro-batch) slots.
 
     Pure and deterministic for (inputs, seed): every rank computes the same assignment and takes its share.
     `cost_model` is the one cost of the plan: it balances and it prices the plan's slot costs. repack cuts
     documents only where that lowers the batch's largest slot without raising the largest rank, and only while at
     most `max_context_loss` of the batch's tokens lose their earlier context; otherwise its plan is reorder's.
+    `cp`: the context-parallel degree whose split prices each sample (module docstring).
     """
     check_balance_mode(mode)
     check_context_loss(max_context_loss)
@@ -158,6 +164,8 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mo
     mbs = g // slots
     seq = int(np.sum(batch.sample(0)))
     src = _Source.of(batch, seq)
+    if cp > 1:
+        src = _Source(src.length, src.offsets, context_parallel_sq(batch, seq, cp), seq)
     fixed = cost_model.b * seq + cost_model.c
     before = (cost_model.a * src.sq + fixed).reshape(slots, mbs).sum(axis=1)
     order = np.arange(g)
@@ -168,7 +176,7 @@ def balance_global_batch(samples_doc_lens: Sequence[np.ndarray] | DocLengths, mo
         order = balanced_partition(src.sq, slots).reshape(-1)
         sample_sq = src.sq[order]
         rank_slots = _group_ranks(sample_sq.reshape(slots, mbs).sum(axis=1), dp)
-        if mode == "repack" and cost_model.a > 0:
+        if mode == "repack" and cost_model.a > 0 and cp == 1:
             repacked = _repack(src, order, rank_slots, mbs, seq, mbs * fixed / cost_model.a, max_context_loss)
             if repacked is not None:
                 sample_sq, rank_slots = repacked.sample_sq, repacked.rank_slots

@@ -59,7 +59,7 @@ class BatchLoader:
 
     def __init__(self, samples, global_batch_size: int, seed: int, dp_rank: int = 0,
                  dp_size: int = 1, micro_batch_num: int = 1, attention_balance: str = "off",
-                 cost_model: CostModel | None = None, max_context_loss: float = 1.0):
+                 cost_model: CostModel | None = None, max_context_loss: float = 1.0, context_parallel: int = 1):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise DataError(f"parallel_config.data_parallel: rank {dp_rank} is not in [0, {dp_size})")
         if global_batch_size < 1 or global_batch_size % dp_size:
@@ -82,6 +82,7 @@ class BatchLoader:
         self.attention_balance = attention_balance
         self.cost_model = cost_model or ATTENTION_ONLY
         self.max_context_loss = max_context_loss
+        self.context_parallel = context_parallel       # the split whose slowest rank prices a sample (balancing)
         self.local_batch_size = global_batch_size // dp_size
         self.batches_per_epoch = len(samples) // global_batch_size
         self.epoch = 0
@@ -107,7 +108,7 @@ class BatchLoader:
         return balance_global_batch(self.samples.doc_lengths(rows), self.attention_balance,
                                     self.dp_size, self.micro_batch_num, self.cost_model,
                                     seed=int(np.random.default_rng([self.seed, epoch, index]).integers(2**31)),
-                                    max_context_loss=self.max_context_loss)
+                                    max_context_loss=self.max_context_loss, cp=self.context_parallel)
 
     @property
     def context_loss(self) -> float:

@@ -14,7 +14,10 @@ Ascend: MindSpore's FlashAttentionScore (`flash_attention_ascend`), TND layout, 
 sequence, the compressed 2048x2048 mask), actual_seq_qlen = actual_seq_kvlen = the cumulative ends of the packed
 documents over the flattened batch, exactly as many as there are documents (the op forbids zero-length entries);
 the value heads zero-padded to the query head size (the op takes one head size; MindFormers pads MLA's so too) and
-the padding cut off the output. Positions other than arange (context parallelism) are not bound there.
+the padding cut off the output. A context-parallel shard's rows (runs of consecutive positions: the load-balanced
+split's front and back block) are bound block by block in BNSD layout: each block's queries against the keys up to
+its last position, sparse_mode 0 with an explicit [b, 1, rows, keys] mask of each row's document and causal
+horizon (uint8, 1 = masked; a block of n rows costs n x its keys of mask, never the whole [s, s]).
 """
 from __future__ import annotations
 
@@ -89,15 +92,38 @@ def flash_attention_arguments(query, key, value, segment_ids):
     return tnd(query), tnd(key), tnd(v), actual_seq_len(segment_ids)
 
 
-class FlashAttentionAscend(nn.Cell):
-    """The contract through FlashAttentionScore (float16/bfloat16 inputs, Ascend only; positions = arange)."""
+def position_blocks(positions: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """The runs of consecutive positions of a shard's query rows: ((first row, first position, rows), ...)."""
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(positions)]])
+    return tuple((int(a), int(positions[a]), int(e - a)) for a, e in zip(starts, ends))
 
-    def __init__(self, scale: float):
+
+def shard_block_mask(segment_ids, first: int, rows: int):
+    """uint8 [b, 1, rows, first + rows], 1 = masked: query row i (at position first + i) sees the keys of its own
+    document up to its position."""
+    keys = first + rows
+    seg = segment_ids[:, :keys]
+    same_doc = ops.expand_dims(seg[:, first:], 2) == ops.expand_dims(seg, 1)
+    causal = ops.expand_dims(ops.arange(first, keys, dtype=ms.int32), 1) >= ops.expand_dims(
+        ops.arange(0, keys, dtype=ms.int32), 0)
+    return ops.expand_dims(ops.logical_not(ops.logical_and(same_doc, causal)).astype(ms.uint8), 1)
+
+
+class FlashAttentionAscend(nn.Cell):
+    """The contract through FlashAttentionScore (float16/bfloat16 inputs, Ascend only). `positions`: a
+    context-parallel shard's query positions (runs of consecutive ones), None for whole sequences."""
+
+    def __init__(self, scale: float, positions: np.ndarray | None = None):
         super().__init__()
         self.scale = scale
         self.causal_mask = Tensor(_FA_CAUSAL_MASK)
+        self.blocks = None if positions is None else position_blocks(np.asarray(positions))
 
-    def construct(self, query, key, value, segment_ids):
+    def construct(self, query, key, value, segment_ids, positions=None):
+        if self.blocks is not None:
+            return self.shard(query, key, value, segment_ids)
         b, h, s, _ = query.shape
         dv = value.shape[3]
         q, k, v, seq_len = flash_attention_arguments(query, key, value, segment_ids)
@@ -106,20 +132,36 @@ class FlashAttentionAscend(nn.Cell):
                                         next_tokens=0, input_layout="TND", sparse_mode=3)
         return out[..., :dv].reshape(b, s, h, dv).transpose(0, 2, 1, 3)
 
+    def shard(self, query, key, value, segment_ids):
+        """Each block of consecutive query positions against the keys up to its last one (BNSD, explicit mask)."""
+        h, dq, dv = query.shape[1], query.shape[3], value.shape[3]
+        v = value
+        if dv < dq:
+            v = ops.cat((value, ops.zeros(value.shape[:3] + (dq - dv,), value.dtype)), -1)
+        outs = ()
+        for row, first, rows in self.blocks:
+            keys = first + rows
+            out = ops.flash_attention_score(query[:, :, row:row + rows], key[:, :, :keys], v[:, :, :keys], h,
+                                            attn_mask=shard_block_mask(segment_ids, first, rows),
+                                            scalar_value=self.scale, input_layout="BNSD", sparse_mode=0)
+            outs = outs + (out[..., :dv],)
+        return ops.cat(outs, 2)
+
 
 class FlashAttentionCPU(nn.Cell):
-    """The contract on CPU, for a whole sequence: query rows at positions 0..s-1."""
+    """The contract on CPU: query rows at `positions` (a context-parallel shard's), by default 0..s-1."""
 
     def __init__(self, scale: float):
         super().__init__()
         self.hyper = flash_attention_hyper(scale)
 
-    def construct(self, query, key, value, segment_ids):
-        positions = ops.arange(0, query.shape[2], dtype=ms.int32)
+    def construct(self, query, key, value, segment_ids, positions=None):
+        if positions is None:
+            positions = ops.arange(0, query.shape[2], dtype=ms.int32)
         return flash_attention_cpu(query, key, value, segment_ids, positions, self.hyper)
 
 
-def flash_attention_for(device_target: str, scale: float) -> nn.Cell:
-    """(query, key, value, segment_ids) -> out, per-document causal attention: FlashAttentionScore on Ascend, the
-    blockwise kernel elsewhere."""
-    return FlashAttentionAscend(scale) if device_target == "Ascend" else FlashAttentionCPU(scale)
+def flash_attention_for(device_target: str, scale: float, positions: np.ndarray | None = None) -> nn.Cell:
+    """(query, key, value, segment_ids[, positions]) -> out, per-document causal attention: FlashAttentionScore on
+    Ascend (bound to a context-parallel shard's `positions` when given), the blockwise kernel elsewhere."""
+    return FlashAttentionAscend(scale, positions) if device_target == "Ascend" else FlashAttentionCPU(scale)

@@ -226,19 +226,20 @@ class ParallelLayout:
         edp = slab // (self.etp * self.ep)
         return {Axis.TP: tp, Axis.CP: cp, Axis.DP: dp, Axis.PP: pp, Axis.ETP: etp, Axis.EP: ep, Axis.EDP: edp}
 
-    def groups(self, axis: Axis) -> list[list[int]]:
-        """All groups of ranks that vary only along `axis`, each sorted, together covering the world once."""
+    def groups(self, axis: Axis, *more: Axis) -> list[list[int]]:
+        """All groups of ranks that vary only along `axis` (and the `more` axes of the same kind: dense or expert),
+        each sorted, together covering the world once."""
         buckets: dict[tuple, list[int]] = {}
         dense = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)
         expert = (Axis.ETP, Axis.EP, Axis.EDP, Axis.PP)
-        others = [a for a in (expert if axis in expert else dense) if a != axis]
+        others = [a for a in (expert if axis in expert else dense) if a not in (axis,) + more]
         for rank in range(self.world_size):
             c = self.coords(rank)
             buckets.setdefault(tuple(c[a] for a in others), []).append(rank)
         return list(buckets.values())
 
-    def group_of(self, axis: Axis, rank: int) -> list[int]:
-        return next(g for g in self.groups(axis) if rank in g)
+    def group_of(self, axis: Axis, rank: int, *more: Axis) -> list[int]:
+        return next(g for g in self.groups(axis, *more) if rank in g)
 
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node

@@ -48,7 +48,7 @@ def train_loader(recipe: Recipe, samples, dp_rank: int) -> BatchLoader:
     cost = CostModel.load(d.attention_cost) if d.attention_cost else None
     return BatchLoader(samples, recipe.training.global_batch_size, recipe.seed, dp_rank, p.data_parallel,
                        micro_batch_num=p.micro_batch_num, attention_balance=d.attention_balance,
-                       cost_model=cost, max_context_loss=d.max_context_loss)
+                       cost_model=cost, max_context_loss=d.max_context_loss, context_parallel=p.context_parallel)
 
 
 def source_shares(loader: BatchLoader) -> dict[str, float]:

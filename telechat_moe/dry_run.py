@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from parallel.ep.capacity import routed_copies, sent_rows
 from parallel.optim.memory import accumulate_bytes, uses_distributed
-from parallel.planner.model_shape import flops_per_token, parameter_breakdown, stage_parameters, training_memory
+from parallel.planner.model_shape import StageHolding, flops_per_token, parameter_breakdown, training_memory
 from telechat_moe.parallel_report import group_sizes
 from telechat_moe.recipe_schema import Recipe
+from telechat_moe.workload import recipe_placement
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GIB = 2 ** 30
@@ -17,9 +18,27 @@ def distributed_optimizer(r: Recipe) -> bool:
     return uses_distributed(r.parallel_config.optimizer_shard, lay.dp * lay.cp, lay.edp, r.model.params_dtype)
 
 
+def stage_holdings(r: Recipe) -> list[StageHolding] | None:
+    """What each pipeline stage holds under the placement the trainer builds (telechat_moe/workload.py:
+    recipe_placement): segment k's layers on its stage, the first segment's embedding, the last's tail; None
+    without pipeline parallelism."""
+    if r.layout.pp == 1:
+        return None
+    placement = recipe_placement(r)
+    layers: list[set[int]] = [set() for _ in range(placement.stages)]
+    first, last = placement.chunk_layout.stage_and_chunk(placement.stages, 0)[0], None
+    for k, seg in enumerate(placement.segments):
+        stage = placement.chunk_layout.stage_and_chunk(placement.stages, k)[0]
+        layers[stage].update(u.layer for u in seg if u.kind in ("dense", "moe"))
+        last = stage
+    return [StageHolding(frozenset(held), s == first, s == last) for s, held in enumerate(layers)]
+
+
 def static_memory(r: Recipe) -> dict:
     """Weights, gradients and AdamW states per device on the heaviest pipeline stage (each stage's in
-    'per_stage'), in the recipe's dtypes, as the trainer holds them (model_shape.rank_static_bytes).
+    'per_stage', with its 'dense' and 'expert' parameters), in the recipe's dtypes, as the trainer holds them
+    (model_shape.rank_static_bytes): each stage's layers as the trainer's pipeline placement puts them, the spare
+    expert slots of dynamic placement counted.
 
     The step's gradients come in the parameter dtype; Adam's two moments are float32 (8 bytes per parameter), plus
     a float32 master copy where parameters are stored below float32, divided over the data-parallel ranks when
@@ -29,9 +48,10 @@ def static_memory(r: Recipe) -> dict:
     m, lay = r.model, r.layout
     param_bytes = DTYPE_BYTES[m.params_dtype]
     distributed = distributed_optimizer(r)
-    return training_memory(m.to_model_shape(), lay, param_bytes, param_bytes, 8, distributed,
+    return training_memory(m.to_model_shape(), lay, param_bytes, param_bytes, 8, distributed, stage_holdings(r),
                            accumulate_bytes=accumulate_bytes(distributed, lay.micro_batch_num, lay.pp > 1,
-                                                             param_bytes))
+                                                             param_bytes),
+                           spare_slots=r.expert_placement.spare_slots)
 
 
 def report(r: Recipe) -> str:
@@ -39,7 +59,7 @@ def report(r: Recipe) -> str:
     params = parameter_breakdown(shape)
     flops = flops_per_token(shape)
     mem = static_memory(r)
-    per_device = stage_parameters(shape, r.layout)[mem["stage"]]
+    per_device = mem["per_stage"][mem["stage"]]
     lines = [f"recipe {r.name}: layout {r.layout.describe()}", "parameters:"]
     for key in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "mtp",
                 "head"):
@@ -67,10 +87,10 @@ def report(r: Recipe) -> str:
 
 
 def slice_tokens(r: Recipe) -> int:
-    """The tokens one rank routes per MoE layer, micro-batch and token slice (sequence parallelism splits a
-    micro-batch's sequence over tp)."""
+    """The tokens one rank routes per MoE layer, micro-batch and token slice (sequence and context parallelism split
+    a micro-batch's sequence over tp and cp)."""
     m, lay = r.model, r.layout
-    return r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // lay.tp \
+    return r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // (lay.tp * lay.cp) \
         // m.moe_comm_chunks
 
 

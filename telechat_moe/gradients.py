@@ -100,8 +100,9 @@ class PrepareGradients(nn.Cell):
 
 @dataclass
 class GradientGroups:
-    """The transports gradients are reduced on: data-parallel, expert-data-parallel, expert-parallel and
-    tensor-parallel groups."""
+    """The transports gradients are reduced on: data-parallel (data x context: a context-parallel rank's gradient is
+    that of its part of the sequence, parallel/cp), expert-data-parallel, expert-parallel and tensor-parallel
+    groups."""
     dp: object
     edp: object
     ep: object
@@ -114,7 +115,8 @@ class GradientGroups:
     @classmethod
     def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
         groups = ProcessGroups(layout, rank)
-        return cls(*(transport_for(groups.axis(a), device_target) for a in (Axis.DP, Axis.EDP, Axis.EP, Axis.TP)))
+        return cls(*(transport_for(groups.axis(*a), device_target)
+                     for a in ((Axis.DP, Axis.CP), (Axis.EDP,), (Axis.EP,), (Axis.TP,))))
 
 
 def gradient_route(kind: int, weight_decay: float) -> Route:

@@ -9,6 +9,11 @@ Tensor parallelism (MindFormers' and Megatron's split of MLA): the latent down-p
 norms are replicated, q_b and kv_b are column-parallel over the heads (each rank computes H/tp heads), o_proj is
 row-parallel. The region is entered once, on the normed input (under sequence parallelism: the sequence all-gather),
 so attention runs on the whole sequence of the rank's heads with global RoPE positions and per-document masks.
+
+Context parallelism (parallel/cp): the rank's positions of the sequence come in; after the rotary part is applied
+at those positions, the normed latent and the rotated shared key ([b, s/cp, kv_lora_rank + rope]: what MLA caches,
+the smallest tensor keys and values are made from) are gathered over the context-parallel group in sequence order,
+the keys and values of the whole sequence made from them, and the rank's query rows attend at their positions.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from mindspore import Tensor, nn, ops
 from dvm_fusion.flash_attention import flash_attention_for
 from dvm_fusion.rowwise import BiasSoftmaxCPU, rope_cpu
 from telechat_moe.config import ModelConfig, yarn_mscale
+from parallel.cp import ContextParallel, GatherContext
 from parallel.tp.mappings import EnterRegion, TensorParallel
 from telechat_moe.layers import Linear, RMSNorm, column_linear, ms_dtype, row_linear, weight_seed
 
@@ -114,12 +120,14 @@ class AttentionCore(nn.Cell):
     flash (dvm_fusion/flash_attention.py): blockwise, no [s, s] tensor, `mask` the segment ids; dense: the full
     score matrix, `mask` the additive bias."""
 
-    def __init__(self, cfg: ModelConfig, device_target: str = "CPU"):
+    def __init__(self, cfg: ModelConfig, device_target: str = "CPU", positions: np.ndarray | None = None):
+        """`positions`: the key position of each query row under context parallelism (None: the whole sequence)."""
         super().__init__()
         self.scale = cfg.softmax_scale()
         self.flash = cfg.attention_kernel == "flash"
+        self.positions = None if positions is None else Tensor(positions)
         if self.flash:
-            self.flash_attention = flash_attention_for(device_target, self.scale)
+            self.flash_attention = flash_attention_for(device_target, self.scale, positions)
         self.softmax_dtype = ms_dtype(cfg.softmax_compute_dtype)
         self.compute_dtype = ms_dtype(cfg.compute_dtype)
         self.fused_softmax = (BiasSoftmaxCPU(self.scale) if device_target != "Ascend" and not self.flash
@@ -127,15 +135,20 @@ class AttentionCore(nn.Cell):
 
     def construct(self, query, key, value, mask):
         if self.flash:
-            return self.flash_attention(query, key, value, mask)
+            if self.positions is None:
+                return self.flash_attention(query, key, value, mask)
+            return self.flash_attention(query, key, value, mask, self.positions)
+        if self.positions is not None:      # the bias rows of this rank's query positions
+            mask = ops.gather(mask, self.positions, 2)
         return dense_causal_attention(query, key, value, mask, self.scale, self.softmax_dtype, self.compute_dtype,
                                       self.fused_softmax)
 
 
 class MultiLatentAttention(nn.Cell):
     def __init__(self, cfg: ModelConfig, device_target: str = "CPU", seed: int = 0, name: str = "self_attn",
-                 tp: TensorParallel = TensorParallel()):
-        """`name`: the cell's parameter prefix (e.g. layers.3.self_attn), which seeds its weights."""
+                 tp: TensorParallel = TensorParallel(), cp: ContextParallel = ContextParallel()):
+        """`name`: the cell's parameter prefix (e.g. layers.3.self_attn), which seeds its weights; `cp`: the
+        context-parallel group whose shards of the sequence the keys and values are gathered from."""
         super().__init__()
         std, cdt = cfg.initializer_range, ms_dtype(cfg.compute_dtype)
         self.cfg = cfg
@@ -163,7 +176,8 @@ class MultiLatentAttention(nn.Cell):
         self.kv_b_proj = column_linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), std, cdt, seed_of("kv_b_proj"),
                                        tp, input_ready=True)
         self.o_proj = row_linear(H * self.v_dim, cfg.hidden_size, std, cdt, seed_of("o_proj"), tp)
-        self.core = AttentionCore(cfg, device_target)
+        self.context = GatherContext(cp) if cp.cp > 1 else None
+        self.core = AttentionCore(cfg, device_target, cp.positions() if cp.cp > 1 else None)
         # on CPU one kernel each way (dvm_fusion/rowwise.py) instead of about seven forward and ten backward
         self.rotary = apply_rope if device_target == "Ascend" else rope_cpu
 
@@ -182,15 +196,23 @@ class MultiLatentAttention(nn.Cell):
         q_nope, q_rot = split_last(q, self.nope)
 
         latent, k_rot = split_last(self.kv_a_proj_with_mqa(x), self.cfg.kv_lora_rank)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
-        kv = kv.reshape(b, s, h, self.nope + self.v_dim).transpose(0, 2, 1, 3)
-        k_nope, v = split_last(kv, self.nope)
-        k_rot = k_rot.reshape(b, 1, s, self.rope)
-
         q_rot = self.rotary(q_rot.astype(ms.float32), cos, sin).astype(q.dtype)
-        k_rot = self.rotary(k_rot.astype(ms.float32), cos, sin).astype(q.dtype)
+        k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope).astype(ms.float32), cos, sin).astype(q.dtype)
+        latent = self.kv_a_layernorm(latent)
+        sk = s
+        if self.context is not None:
+            # the whole sequence's latent and shared key, in sequence order, in the compute dtype (kv_b_proj's
+            # input dtype: the cast it would make anyway, before the gather)
+            both = self.context(ops.cat((latent.astype(q.dtype), k_rot.reshape(b, s, self.rope)), -1))
+            sk = both.shape[1]
+            latent, k_rot = split_last(both, self.cfg.kv_lora_rank)
+            k_rot = k_rot.reshape(b, 1, sk, self.rope)
+        kv = self.kv_b_proj(latent)
+        kv = kv.reshape(b, sk, h, self.nope + self.v_dim).transpose(0, 2, 1, 3)
+        k_nope, v = split_last(kv, self.nope)
+
         query = ops.cat((q_nope, q_rot), -1)
-        key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, s, self.rope))), -1)
+        key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, sk, self.rope))), -1)
 
         out = self.core(query, key, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, h * self.v_dim))

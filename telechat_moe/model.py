@@ -7,7 +7,9 @@ trainer can log them and update the expert bias outside the gradient. Layers sit
 Built for one rank of a layout: `ep` says which routed experts it holds, `tp` its tensor-parallel group. Over tp > 1
 the embedding and the output head are split over the vocabulary (vocab-parallel cross-entropy: no rank holds a
 full row of logits), attention over heads, the FFNs over their columns (parallel/tp); under sequence parallelism
-the residual stream between the regions is this rank's sequence shard [b, s/tp, h].
+the residual stream between the regions is this rank's sequence shard [b, s/tp, h]. Over cp (parallel/cp) the inputs
+are the whole sequences and the rank computes its positions of them (`embed` and `rope` take them, attention gathers
+the keys and values, `head_losses` sums each loss's parts over the group).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from dvm_fusion.grouped_matmul import grouped_matmul_for
 from dvm_fusion.rowwise import CrossEntropyCPU
 from telechat_moe.config import ModelConfig
+from parallel.cp import ContextParallel, ShardSequence, SumOverContext
 from parallel.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
 from parallel.tp.mappings import TensorParallel
 from telechat_moe.layers import Embedding, RMSNorm, SwiGLU, column_linear, ms_dtype, weight_seed
@@ -38,16 +41,17 @@ INSIDE_REGIONS = (".self_attn.q_a_proj.", ".self_attn.q_a_layernorm.", ".self_at
 class DecoderLayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, index: int, grouped_matmul, device_target: str = "CPU",
                  ep: ExpertParallel = ExpertParallel(), tp: TensorParallel = TensorParallel(), seed: int = 0,
-                 name: str = ""):
+                 name: str = "", cp: ContextParallel = ContextParallel()):
         """`name`: the layer's parameter prefix (layers.3, mtp.0.block), which seeds its weights."""
         super().__init__()
         name = name or f"layers.{index}"
         self.is_moe = cfg.is_moe_layer(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target)
-        self.self_attn = MultiLatentAttention(cfg, device_target, seed, f"{name}.self_attn", tp)
+        self.self_attn = MultiLatentAttention(cfg, device_target, seed, f"{name}.self_attn", tp, cp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, grouped_matmul, index, ep, tp, seed, f"{name}.mlp", device_target)
+            self.mlp = MoELayer(cfg, grouped_matmul, index, ep, tp, seed, f"{name}.mlp", device_target,
+                                cp.tokens(tp) if cp.cp > 1 else None)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
                               ms_dtype(cfg.compute_dtype), seed, f"{name}.mlp", tp, device_target)
@@ -119,14 +123,18 @@ class StageParts:
 
 class TeleChatMoE(nn.Cell):
     def __init__(self, cfg: ModelConfig, device_target: str = "CPU", ep: ExpertParallel = ExpertParallel(),
-                 tp: TensorParallel = TensorParallel(), parts: StageParts | None = None, reuse_layers: bool = True):
+                 tp: TensorParallel = TensorParallel(), parts: StageParts | None = None, reuse_layers: bool = True,
+                 cp: ContextParallel = ContextParallel()):
         """`ep`: this rank's share of the routed experts and its exchanges (the default: every expert here); `tp`:
         its tensor-parallel group (the default: none); `parts`: what its pipeline stage holds (the default: the
-        whole model); `reuse_layers`: compile equal decoder layers' graph once (ReusedDecoderLayer). Weights are
+        whole model); `reuse_layers`: compile equal decoder layers' graph once (ReusedDecoderLayer); `cp`: its
+        context-parallel group (the default: none). Weights are
         seeded by MindSpore's global seed and their names, so any part equals the whole model's."""
         super().__init__()
         self.cfg = cfg
-        self.tp = tp
+        self.tp, self.cp = tp, cp
+        self.context_shard = ShardSequence(cp)
+        self.sum_over_context = SumOverContext(cp) if cp.cp > 1 else None
         parts = parts or StageParts(frozenset(range(cfg.num_hidden_layers)), True, True)
         self.parts = parts
         seed = ms.get_seed() or 0
@@ -140,7 +148,7 @@ class TeleChatMoE(nn.Cell):
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.transport, std, tp.sp,
                                                        weight_seed(seed, "embed_tokens"))
-        self.layers = nn.CellList([layer(cfg, i, gmm, device_target, ep, tp, seed) if i in parts.layers
+        self.layers = nn.CellList([layer(cfg, i, gmm, device_target, ep, tp, seed, "", cp) if i in parts.layers
                                    else AbsentLayer(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)])
         tail = parts.tail
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device_target) if tail else None
@@ -154,7 +162,8 @@ class TeleChatMoE(nn.Cell):
         # on CPU one kernel each way for the loss per position (dvm_fusion/rowwise.py)
         self.fused_cross_entropy = CrossEntropyCPU() if device_target != "Ascend" else None
         self.mtp = nn.CellList([
-            MTPBlock(cfg, layer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed, f"mtp.{d}.block"),
+            MTPBlock(cfg, layer(cfg, cfg.num_hidden_layers + d, gmm, device_target, ep, tp, seed, f"mtp.{d}.block",
+                                cp),
                      seed, f"mtp.{d}", tp, device_target)
             for d in range(cfg.num_nextn_predict_layers if tail else 0)])
         length = max(cfg.seq_length, cfg.max_position_embeddings)
@@ -199,7 +208,8 @@ class TeleChatMoE(nn.Cell):
 
     # ---- pieces -------------------------------------------------------------------------------------
     def embed(self, input_ids):
-        return self.embed_tokens(input_ids)
+        """The embedding of the whole sequences' tokens [b, s] at this rank's positions (all of them but under cp)."""
+        return self.embed_tokens(self.context_shard(input_ids))
 
     def attention_mask(self, segment_ids):
         """What the attention kernel needs to keep documents apart: segment ids (flash) or an additive bias."""
@@ -208,6 +218,7 @@ class TeleChatMoE(nn.Cell):
         return attention_bias(segment_ids, self.causal)
 
     def rope(self, position_ids):
+        position_ids = self.context_shard(position_ids)
         cos = ops.expand_dims(ops.gather(self.cos, position_ids, 0), 1)
         sin = ops.expand_dims(ops.gather(self.sin, position_ids, 0), 1)
         return cos, sin
@@ -230,10 +241,18 @@ class TeleChatMoE(nn.Cell):
         return self.head_matmul(h.reshape(-1, h.shape[-1]).astype(ms.float32), self.embed_tokens.weight)
 
     def loss(self, logits, labels, mask):
-        """`cross_entropy` of this rank's logits: vocab-parallel over tp (parallel.tp.VocabParallelCrossEntropy)."""
+        """`cross_entropy` of this rank's logits against the whole sequences' `labels` and `mask` [b, s]:
+        vocab-parallel over tp (parallel.tp.VocabParallelCrossEntropy); over cp the mean of the rank's positions
+        made its part of the whole sequences' mean and summed over the group (parallel.cp.SumOverContext)."""
+        whole_mask = mask
+        labels, mask = self.context_shard(labels), self.context_shard(mask)
         if self.vocab_cross_entropy is not None:
-            return self.vocab_cross_entropy(logits, labels, mask)
-        return self.cross_entropy(logits, labels, mask, self.fused_cross_entropy)
+            mean = self.vocab_cross_entropy(logits, labels, mask)
+        else:
+            mean = self.cross_entropy(logits, labels, mask, self.fused_cross_entropy)
+        if self.sum_over_context is not None:
+            return self.sum_over_context(mean, mask, whole_mask)
+        return mean
 
     @staticmethod
     def cross_entropy(logits, labels, mask, fused=None):

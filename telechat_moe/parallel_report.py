@@ -36,6 +36,10 @@ Conventions:
   cost model prices: the report adds where each is issued.
 - Micro-batch: b = global_batch_size / (data_parallel x micro_batch_num) sequences of seq_length tokens; the
   forward and backward collectives run micro_batch_num times a step, the step's once.
+- Context parallelism (parallel/cp): a rank holds s/cp positions of each sequence (the tensor-parallel and expert
+  collectives are of those), gathers MLA's latent and shared key over cp in each attention (reduce-scatter in the
+  backward), sums each loss over cp (forward), the router's statistics over tp x cp (`tp_cp`), and the dense
+  gradients over dp x cp (listed as `dp`, of that size).
 - Pipeline parallelism is planned, not trained: for pp > 1 the report is one rank of one stage (by default the
   dry run's heaviest), holding the layers `even_layer_split` gives it (contiguous, as the dry run counts them; an
   interleaved schedule would hold other layers), with the embedding on stage 0 and norm, head and MTP on the last.
@@ -183,7 +187,9 @@ def _under(name: str, prefix: str) -> bool:
 class _Rank:
     def __init__(self, cfg, layout, batch: int, seq: int, recompute: str, dispatcher: str):
         self.cfg, self.layout = cfg, layout
-        self.b, self.s, self.h = batch, seq, cfg.hidden_size
+        # the positions of a sequence this rank computes (all of them but under context parallelism)
+        self.b, self.s, self.h = batch, seq // layout.cp, cfg.hidden_size
+        self.cp = layout.cp
         self.t, self.sp = layout.tp, bool(layout.sp) and layout.tp > 1
         self.cdt = cfg.compute_dtype
         self.recompute = recompute
@@ -219,12 +225,12 @@ class _Rank:
             self.collectives.append(Collective(where, what, direction, kind, group, g,
                                                tuple(int(d) for d in shape), dtype, note))
 
-    def add(self, where: str, collectives, note: str = ""):
-        """parallel/planner/tp_traffic's collectives of a piece, issued at `where` over tp (the dtype roles read as
-        this model's: compute -> the compute dtype, residual -> float32)."""
+    def add(self, where: str, collectives, note: str = "", group: str = "tp"):
+        """parallel/planner/tp_traffic's collectives of a piece, issued at `where` over tp (or `group`; the dtype
+        roles read as this model's: compute -> the compute dtype, residual -> float32)."""
         dtypes = {tp_traffic.COMPUTE: self.cdt, tp_traffic.RESIDUAL: RESIDUAL, tp_traffic.FLOAT32: "float32"}
         for c in collectives:
-            self.coll(where, c.what, c.direction, c.kind, "tp", c.shape, dtypes[c.dtype], note)
+            self.coll(where, c.what, c.direction, c.kind, group, c.shape, dtypes[c.dtype], note)
 
     def enter_region(self, where: str, width: int | None = None, dtype: str = tp_traffic.COMPUTE,
                      what: str = "EnterRegion"):
@@ -244,6 +250,10 @@ class _Rank:
         if not self.cfg.tie_word_embeddings:
             self.enter_region(where, self.h, tp_traffic.FLOAT32, "ColumnParallelLinear input")
         self.add(loss, tp_traffic.cross_entropy(self.s, self.b, self.t))
+
+    def context_sum(self, loss: str):
+        """SumOverContext: the loss's parts over cp (ReduceFromGroup: forward only)."""
+        self.coll(loss, "SumOverContext: the loss's parts over cp", "forward", "all_reduce", "cp", (), "float32")
 
     # -- blocks --
     def attention(self, prefix: str):
@@ -265,6 +275,11 @@ class _Rank:
         self.column(f"{a}.kv_b_proj.weight", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         self.row(f"{a}.o_proj.weight", h, H * cfg.v_head_dim)
         self.enter_region(a, h)
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.coll(f"{a}.context", "GatherContext: normed latent and rotated shared key", "forward", "all_gather", "cp",
+                  (self.s, self.b, width), self.cdt)
+        self.coll(f"{a}.context", "GatherContext backward: their gradient", "backward", "reduce_scatter", "cp",
+                  (self.s * self.cp, self.b, width), self.cdt)
         self.row_parallel(f"{a}.o_proj")
 
     def swiglu(self, prefix: str, intermediate: int):
@@ -287,8 +302,9 @@ class _Rank:
         split = tp_traffic.moe_token_split(s, b, t, h, self.sp)
         local = s // t if t > 1 else s
         self.add(m, split[:1])
-        self.add(f"{m}.gate", tp_traffic.router_sums(b, t, E, cfg.moe_device_aux_loss_coeff > 0,
-                                                     cfg.moe_z_loss_coeff > 0))
+        # the ranks routing a sequence's positions: tp, times cp under context parallelism
+        self.add(f"{m}.gate", tp_traffic.router_sums(b, t * self.cp, E, cfg.moe_device_aux_loss_coeff > 0,
+                                                     cfg.moe_z_loss_coeff > 0), group="tp" if self.cp == 1 else "tp_cp")
         if ep > 1:
             rows = b * local // cfg.moe_comm_chunks
             for _ in range(cfg.moe_comm_chunks):
@@ -362,6 +378,7 @@ class _Rank:
         self.decoder_layer(f"{p}.block", cfg.num_hidden_layers + d)
         self.weight(f"{p}.norm.weight", (h,))
         self.head(f"lm_head@{p}", f"cross_entropy@{p}")
+        self.context_sum(f"cross_entropy@{p}")
 
     def model(self, first: int, end: int, has_embedding: bool, has_head: bool):
         cfg, h = self.cfg, self.h
@@ -375,6 +392,7 @@ class _Rank:
             if not cfg.tie_word_embeddings:
                 self.weight("lm_head.weight", (cfg.vocab_size, h), 0, "tp")
             self.head("lm_head", "cross_entropy")
+            self.context_sum("cross_entropy")
             if not has_embedding and cfg.num_nextn_predict_layers and not cfg.tie_word_embeddings:
                 # MTP's copy of the embedding on a last stage apart from it (model.StageParts; summed over the pair)
                 self.weight("embed_tokens.weight", (cfg.vocab_size, h), 0, "tp")
@@ -416,11 +434,13 @@ class _Rank:
 
 
 def group_sizes(layout, dispatcher: str = "alltoall") -> dict:
-    """Sizes of the groups a rank of `layout` exchanges on (rank 0's; every rank's are alike): tp, ep, dp, edp,
-    world, and for the hierarchical dispatcher the EP ranks in a node (ep_node) and across nodes (ep_inter)."""
+    """Sizes of the groups a rank of `layout` exchanges on (rank 0's; every rank's are alike): tp, ep, dp (the dense
+    gradients' group: data x context), edp, cp, tp_cp (the ranks routing a sequence's positions under context
+    parallelism), world, and for the hierarchical dispatcher the EP ranks in a node (ep_node) and across nodes
+    (ep_inter)."""
     from parallel.layout import Axis
-    sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp, "edp": layout.edp, "world": layout.world_size,
-             "ep_node": 1, "ep_inter": 1}
+    sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp * layout.cp, "edp": layout.edp, "cp": layout.cp,
+             "tp_cp": layout.tp * layout.cp, "world": layout.world_size, "ep_node": 1, "ep_inter": 1}
     if dispatcher == "hierarchical" and layout.ep > 1:
         ep = layout.group_of(Axis.EP, 0)
         sizes["ep_node"] = sum(1 for r in ep if layout.node_of(r) == layout.node_of(0))

@@ -1,11 +1,13 @@
 """Pipeline parallelism in the trainer (`pipeline_stage > 1`): the model cut into p x v chunks by the placement MILP,
 this rank's stage built and run by `parallel.pipeline.executor` over the schedule of the recipe
-(`parallel_config.pipeline_scheduler`: 1f1b, which is interleaved 1F1B when pp_interleave_num > 1, or gpipe), then
-one graph that reduces, clips and applies the accumulated gradients.
+(`parallel_config.pipeline_scheduler`: 1f1b, which is interleaved 1F1B when pp_interleave_num > 1, gpipe, or
+dualpipev: DeepSeek's DualPipeV, pp_interleave_num 2 in a V), then one graph that reduces, clips and applies the
+accumulated gradients.
 
 - Placement: `balance` (parallel/pipeline/placement.py) over the planner's units of the recipe's model on the
   cluster that prices this machine (`clusters/cpu.yaml` on CPU, ascend910b on Ascend): segment k = chunk k // p of
-  stage k % p; the embedding is in the first segment, the final norm, head and MTP in the last, and any segment may
+  stage k % p (under dualpipev the V: segments k and 2p-1-k on stage k, so stage 0 holds the embedding and the
+  head, and MTP reads the one embedding table there); the embedding is in the first segment, the final norm, head and MTP in the last, and any segment may
   hold any number of layers (also none).
 - Chunk k: `StageChunk`, (input, labels, loss mask, segments, positions) -> (activation, loss part, stats): the
   embedding first on chunk 0, its decoder layers, and on the last chunk the tail and the losses. A chunk's own
@@ -18,9 +20,9 @@ one graph that reduces, clips and applies the accumulated gradients.
 - The gradient norm adds every stage's squares over the pipeline group.
 - Every step checks that the stage ran its actions in the schedule's order and held no more activations than the
   validator allows (the executor records both).
-- Recompute: a chunk's backward recomputes its forward (the executor holds only each in-flight micro-batch's chunk
-  input: a graph's intermediate tensors cannot be handed to another graph), so every chunk runs as under full
-  recompute whatever recompute_config says; its selective setting marks layers inside the chunk's graph as usual.
+- Recompute: the executor runs each chunk's forward once per micro-batch and its backward from what that forward
+  kept (MindSpore's PyNative autograd over the compiled chunk), so a layer's forward runs again only where
+  recompute_config marks it (selective or full), inside the chunk's graph, as in one process.
 - Tensor dumps: the chunks' layer outputs come from a forward-only pass through the pipeline before the step
   (`layer_outputs`), the reduced gradients from the update (`return_grads`); the trainer puts the stages together.
 """
@@ -36,7 +38,7 @@ from mindspore import ParameterTuple, nn, ops
 from parallel.comm import AllReduce, ProcessGroups, transport_for
 from parallel.layout import Axis
 from parallel.pipeline.executor import PipelineExecutor, PipelineResult
-from parallel.pipeline.schedules import build, validate
+from parallel.pipeline.schedules import ChunkLayout, build, validate
 from telechat_moe.model import StageParts, TeleChatMoE
 from telechat_moe.moe.layer import ROUTING_STATS
 
@@ -46,15 +48,17 @@ LOSS_PARTS = 5      # total, lm, mtp, aux, z
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Layers [start, end) of each chunk k (= segment k of the placement), and this rank's stage."""
+    """Layers [start, end) of each chunk k (= segment k of the placement), this rank's stage, and which segments
+    a stage holds (DualPipeV's V: segments k and 2p-1-k on stage k)."""
     bounds: tuple[tuple[int, int], ...]
     stages: int
     chunks: int
     stage: int
     description: str
+    chunk_layout: ChunkLayout = ChunkLayout.INTERLEAVED
 
     def mine(self) -> list[int]:
-        return [c * self.stages + self.stage for c in range(self.chunks)]
+        return [self.chunk_layout.virtual_stage(self.stages, self.stage, c) for c in range(self.chunks)]
 
     def parts(self, mtp: bool) -> StageParts:
         last = self.stages * self.chunks - 1
@@ -65,20 +69,16 @@ class StagePlan:
 
 def stage_plan(recipe, rank: int) -> StagePlan:
     """The placement MILP's cut of the recipe's model for its layout (see the module docstring)."""
-    from parallel.pipeline.placement import PlacementOptions, balance, planner_units
-    from telechat_moe.workload import recipe_layout, recipe_workload
-    cluster = "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
-    w = recipe_workload(recipe, cluster)
-    layout = recipe_layout(recipe, w)
-    units = planner_units(w, layout)
-    placement = balance(units, layout.pp, layout.vpp, PlacementOptions(micro_batches=layout.micro_batch_num))
+    from telechat_moe.workload import recipe_placement
+    placement = recipe_placement(recipe)
     bounds, at = [], 0
     for seg in placement.segments:
         n = sum(u.kind in ("dense", "moe") for u in seg)
         bounds.append((at, at + n))
         at += n
     stage = sorted(recipe.layout.group_of(Axis.PP, rank)).index(rank)
-    return StagePlan(tuple(bounds), layout.pp, layout.vpp, stage, placement.describe())
+    return StagePlan(tuple(bounds), placement.stages, placement.chunks, stage, placement.describe(),
+                     placement.chunk_layout)
 
 
 class StageChunk(nn.Cell):
@@ -210,7 +210,7 @@ class PipelineTrainStep:
         self.accumulators = weights.clone(prefix="grad_accum", init="zeros")
         by_id = {id(w): a for w, a in zip(weights, self.accumulators)}
         scheduler = recipe.parallel_config.pipeline_scheduler
-        name = "gpipe" if scheduler == "gpipe" else "interleaved" if plan.chunks > 1 else "1f1b"
+        name = scheduler if scheduler in ("gpipe", "dualpipev") else "interleaved" if plan.chunks > 1 else "1f1b"
         self.schedule = build(name, p, plan.chunks, recipe.parallel_config.micro_batch_num)
         self.bounds = plan.bounds
         self.dump_chunks = None     # LayerOutputsChunks, built on the first dump step
@@ -224,11 +224,13 @@ class PipelineTrainStep:
             else cfg.seq_length
         self.executor = PipelineExecutor(self.schedule, recipe.layout, rank, chunks,
                                          (1, self.tokens_per_rank, cfg.hidden_size), ms.float32, device,
-                                         accumulator_of=lambda w: by_id[id(w)])
+                                         accumulator_of=lambda w: by_id[id(w)],
+                                         loss_chunks=[k for k, rows in self.routers.items() if rows])
         # the embedding's copies on the first and the last stage (MTP) are summed over the pair
         stage_ranks = sorted(recipe.layout.group_of(Axis.PP, rank))
-        first, tail = plan.stage == 0, plan.stage == p - 1
-        has_copy = cfg.num_nextn_predict_layers > 0
+        first, tail = 0 in plan.mine(), last in plan.mine()
+        # under DualPipeV's V the first and the last chunk share stage 0, and so the one embedding table
+        has_copy = cfg.num_nextn_predict_layers > 0 and not (first and tail)
         pair = None
         if has_copy and (first or tail):
             peer = stage_ranks[-1] if first else stage_ranks[0]

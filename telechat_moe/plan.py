@@ -40,7 +40,8 @@ from telechat_moe.recipe_checks import layout_error_text
 from telechat_moe.workload import memory_limit, recipe_ep_scheme, recipe_layout, recipe_workload
 
 PROG = "python -m telechat_moe.plan"
-EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "recompute", "ep_scheme", "ep_overlap", "schedule")
+EVALUATE_KEYS = ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "cp", "recompute", "ep_scheme", "ep_overlap",
+                 "schedule")
 # The pipeline schedules the planner balances and prices (placement.step_terms); gpipe only runs in the trainer.
 EVALUATE_SCHEDULES = ("1f1b", "interleaved", "overlapped", "dualpipev")
 
@@ -72,15 +73,16 @@ def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
     """`tp=8,pp=16,...` into a layout; dp and m follow from devices and global batch when not given."""
     given = evaluate_items(text)
     ints = {}
-    for key in ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m"):
+    for key in ("tp", "pp", "vpp", "dp", "ep", "etp", "mbs", "m", "cp"):
         if key in given:
             if not given[key].isdigit() or int(given[key]) < 1:
                 raise PlanError(f"--evaluate: {key} expects a positive integer, got {given[key]!r}")
             ints[key] = int(given[key])
-    tp, pp = ints.get("tp", 1), ints.get("pp", 1)
-    if w.devices % (tp * pp):
-        raise PlanError(f"--evaluate: tp*pp = {tp * pp} does not divide --devices {w.devices}")
-    dp = ints.get("dp", w.devices // (tp * pp))
+    tp, pp, cp = ints.get("tp", 1), ints.get("pp", 1), ints.get("cp", 1)
+    if w.devices % (tp * pp * cp):
+        product = f"tp*pp = {tp * pp}" if cp == 1 else f"tp*cp*pp = {tp * cp * pp}"
+        raise PlanError(f"--evaluate: {product} does not divide --devices {w.devices}")
+    dp = ints.get("dp", w.devices // (tp * pp * cp))
     mbs = ints.get("mbs", 1)
     if "m" in ints:
         m = ints["m"]
@@ -98,7 +100,7 @@ def parse_layout(text: str, w: Workload, recipe) -> ParallelLayout:
         if value not in allowed:
             raise PlanError(f"--evaluate: {key} expects one of {', '.join(allowed)}, got {value!r}")
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp, vpp=ints.get("vpp", 1), ep=ints.get("ep", 1),
-                            etp=ints.get("etp", 1), sp=tp > 1, micro_batch_num=m,
+                            etp=ints.get("etp", 1), cp=cp, sp=tp > 1, micro_batch_num=m,
                             devices_per_node=w.cluster.devices_per_node, micro_batch_size=mbs,
                             recompute=choices["recompute"][0], ep_scheme=choices["ep_scheme"][0],
                             ep_overlap=choices["ep_overlap"][0] in ("1", "true"))

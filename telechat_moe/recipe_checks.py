@@ -127,8 +127,14 @@ def _validate_expert_placement(r: Recipe) -> None:
 def _validate_training(r: Recipe) -> None:
     """The pipeline's schedule, the training loop's intervals, loss scale and dumps, the optimizer, the schedule."""
     p, t = r.parallel_config, r.training
-    require(p.pipeline_scheduler in ("1f1b", "gpipe"),
-            f"parallel_config.pipeline_scheduler: expected 1f1b or gpipe, got {p.pipeline_scheduler!r}")
+    require(p.pipeline_scheduler in ("1f1b", "gpipe", "dualpipev"),
+            f"parallel_config.pipeline_scheduler: expected 1f1b, gpipe or dualpipev, got {p.pipeline_scheduler!r}")
+    if p.pipeline_scheduler == "dualpipev":
+        from parallel.pipeline.schedules import dualpipe_v_unfit
+        unfit = dualpipe_v_unfit(p.pipeline_stage, p.pp_interleave_num, p.micro_batch_num,
+                                 names={"p": "pipeline_stage", "v": "pp_interleave_num", "m": "micro_batch_num"})
+        field = {"chunks": "pp_interleave_num", "microbatches": "micro_batch_num"}[unfit[0]] if unfit else ""
+        require(unfit is None, f"parallel_config.{field}: dualpipev {unfit[1]}" if unfit else "")
     for key in ("log_interval", "save_interval", "eval_interval", "keep_checkpoints", "eval_batches"):
         require(getattr(t, key) >= 0, f"training.{key}: expected 0 or more, got {getattr(t, key)}")
     require(t.loss_scale in ("auto", "dynamic", "none") or _is_number(t.loss_scale),

@@ -80,6 +80,8 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     b = block_costs(w, lay)
     mode = RECOMPUTE.index(recompute)
     ep_moe = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), Costing(w, lay).ep_all_to_all())}
+    # each attention's context-parallel gather (forward) and its reduce-scatter (backward), priced inside the blocks
+    cp = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), Costing(w, lay).cp_comm())}
     redo = 2 if recompute == "full" else 1      # full recompute runs each layer's forward again in its backward
 
     def comm(block, direction):
@@ -90,10 +92,13 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     out = {}
     for direction in ("forward", "backward"):
         times = redo if direction == "backward" else 1
-        out[("dense_layer", "tp", direction)] = comm(b.dense, direction)
+        cp_dir = cp[direction] + (times - 1) * cp["forward"]
+        out[("dense_layer", "tp", direction)] = comm(b.dense, direction) - cp_dir
+        if layout.cp > 1:
+            out[("attention", "cp", direction)] = cp_dir
         # full recompute: the backward repeats the forward's exchanges
         ep_moe_dir = ep_moe[direction] + (times - 1) * ep_moe["forward"]
-        out[("moe_layer", "tp", direction)] = comm(b.moe, direction) - ep_moe_dir
+        out[("moe_layer", "tp", direction)] = comm(b.moe, direction) - ep_moe_dir - cp_dir
         out[("moe_layer", "ep", direction)] = ep_moe_dir
         out[("embedding", "tp", direction)] = comm(b.embedding, direction)
         out[("head", "tp", direction)] = comm(b.head, direction)
@@ -121,8 +126,10 @@ def model_volumes(report: ParallelReport) -> dict:
             return sum(report.wire_bytes(direction=direction, group=g, where=where) for g in groups)
         if dense_layers:
             out[("dense_layer", "tp", direction)] = wire(f"layers.{dense_layers[0]}")
+        if report.layout.cp > 1 and (dense_layers or moe_layers):
+            out[("attention", "cp", direction)] = wire(f"layers.{(dense_layers + moe_layers)[0]}", ("cp",))
         if moe_layers:
-            out[("moe_layer", "tp", direction)] = wire(f"layers.{moe_layers[0]}")
+            out[("moe_layer", "tp", direction)] = wire(f"layers.{moe_layers[0]}", ("tp", "tp_cp"))
             out[("moe_layer", "ep", direction)] = wire(f"layers.{moe_layers[0]}", ("ep", "ep_node", "ep_inter"))
         if report.has_embedding:
             out[("embedding", "tp", direction)] = wire(lambda w: w == "embed_tokens")

@@ -50,6 +50,12 @@ class StepDumps:
         # a pipeline stage holds some layers: the dump puts every stage's tensors together over the pipeline group
         self.stage_group = transport_for(ProcessGroups(recipe.layout, rank).axis(Axis.PP),
                                          recipe.context.device_target) if pipeline is not None else None
+        # the dense gradients' group is data x context: the batch's rows come from the data-parallel group alone,
+        # the sequence's positions from the context-parallel group
+        groups_here = ProcessGroups(recipe.layout, rank)
+        self.rows_group = transport_for(groups_here.axis(Axis.DP), recipe.context.device_target)
+        self.context_group = transport_for(groups_here.axis(Axis.CP), recipe.context.device_target) \
+            if recipe.layout.cp > 1 else None
         t = recipe.training
         meta = {"model_config_hash": config_hash(recipe.model.function()), "layout": layout_meta(recipe.layout),
                 "dtype": recipe.model.compute_dtype, "recipe": recipe.name}
@@ -98,10 +104,15 @@ class StepDumps:
 
     def _global_batch(self, out: np.ndarray) -> np.ndarray:
         """This rank's [..., b, s', h] -> the global batch's [..., dp*b, s, h]: its sequence shards put together
-        over the tensor-parallel group under sequence parallelism, then the data-parallel ranks' rows in order."""
+        over the tensor-parallel group under sequence parallelism, then over the context-parallel group (in
+        sequence order), then the data-parallel ranks' rows in order."""
         if self.sp:
             out = gather_along(self.groups.tp, out, -2)
-        return gather_along(self.groups.dp, out, -3)
+        if self.context_group is not None:
+            from parallel.cp import gathered_order
+            out = gather_along(self.context_group, out, -2)
+            out = np.take(out, gathered_order(out.shape[-2], self.r.layout.cp), axis=-2)
+        return gather_along(self.rows_group, out, -3)
 
     def write(self, step: int, forward: list, values: dict, grads) -> None:
         """The step's dump: `forward` from forward_records, the logged losses in `values`, the reduced `grads`."""

@@ -22,6 +22,7 @@ import yaml
 from mindspore import Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import KERNEL_CLOCK
+from parallel.cp import ContextParallel
 from parallel.layout import Axis
 from parallel.tp.mappings import TensorParallel
 from telechat_moe.batches import (SampleLog, batch_tensors, prepare_run_data, publish_tokenizer, source_shares,
@@ -75,13 +76,14 @@ class Trainer:
         self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device,
                                     recipe.expert_placement.spare_slots)
         self.tp = TensorParallel.of(recipe.layout, rank, device)
+        self.cp = ContextParallel.of(recipe.layout, rank, device, cfg.seq_length)
         self.stages = p.pipeline_stage
         self.plan = stage_plan(recipe, rank) if self.stages > 1 else None
         parts = self.plan.parts(cfg.num_nextn_predict_layers > 0) if self.plan else None
         if self.plan:
             info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} (chunk k on stage k % "
                  f"{self.stages}); placement:\n{self.plan.description}", self.main)
-        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, recipe.context.lazy_inline)
+        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, recipe.context.lazy_inline, self.cp)
         self.model.set_recompute(recipe.recompute_config.mode)
         self.groups = GradientGroups.of(recipe.layout, rank, device)
         self._tp_axes = self.model.tp_split_axes()

@@ -21,7 +21,7 @@ from tests.helpers import ROOT, assert_one_line_error, run_cli, run_main
 MINDFORMERS_105B = ["parallel_config.data_parallel=4", "parallel_config.model_parallel=8",
                     "parallel_config.pp_interleave_num=1", "parallel_config.expert_parallel=4",
                     "parallel_config.micro_batch_num=32", "model.moe_comm_chunks=1"]
-# 105b on 8 nodes of 8: what it holds per device (35.1 GiB before activations) fits the 55.5 GB; on 4 nodes no split of
+# 105b on 8 nodes of 8: what it holds per device (35.4 GiB before activations) fits the 55.5 GB; on 4 nodes no split of
 # its 104.6B parameters does (float32 weights, gradients and accumulators, the sharded optimizer: 60-79 GiB)
 EIGHT_NODES = ["parallel_config.data_parallel=4", "parallel_config.model_parallel=4", "parallel_config.pipeline_stage=4",
                "parallel_config.pp_interleave_num=1", "parallel_config.expert_parallel=16",

@@ -24,6 +24,8 @@ def test_plan_keeps_routes_apart_closes_buckets_and_pads_to_the_group():
     plan = BucketPlan.of(sizes, routes, {"dp": 4, "edp": 2}, bucket_size=10)
     assert [b.params for b in plan.buckets] == [(0, 2), (4,), (1, 5), (3,)]
     assert [b.padded for b in plan.buckets] == [16, 100, 8, 4]
+    # reductions issued as the backward completes the buckets: the one whose first parameter comes last first
+    assert plan.backward_order() == (1, 3, 2, 0)
     assert all(len({routes[p] for p in b.params}) == 1 for b in plan.buckets)
     assert [b.params for b in BucketPlan.of(sizes, routes, {"dp": 4, "edp": 2}, 0).buckets] == [(0, 2, 4), (1, 5), (3,)]
     # every element of every parameter is held by exactly one rank of its group

@@ -21,7 +21,7 @@ from bench.expert_migration_time import skew_checkpoint
 from parallel.ep.migrate import homes, moved_rows, relabelling
 from telechat_moe.moe.replicas import outside_checkpoints, slot_tables
 from tests.conftest import PARALLEL_COMMON
-from tests.test_data_parallel import whole_state
+from tests.test_data_parallel import assert_memory_lines, whole_state
 from tests.helpers import assert_losses_match, msrun, run_cli
 from tests.test_training import NO_EVAL, SHORT, metrics, sets
 
@@ -88,6 +88,7 @@ def test_experts_move_and_replicate_and_the_model_computes_the_same(tmp_path, on
     proc, logs = msrun(4, tmp_path / "logs", "run_train.py", "--recipe", "tiny", "--resume",
                        *sets(*common, *ep4, "expert_placement.window=1", f"output_dir={out}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
+    assert_memory_lines(logs, 4)      # the spare slots' weights and optimizer state counted
     assert "[experts] step 2:" in logs and "[experts] step 4:" in logs, logs
     assert_losses_match(one, out, (2, 3, 4), "dp=4 x ep=4, experts moved and replicated after steps 2 and 4")
     logged = metrics(out)

@@ -370,3 +370,47 @@ def test_mla_flash_equals_dense_forward_and_every_gradient():
     assert_close(got[0], want[0], chain_tolerance("float32", forward), "out")
     for g, w, name in zip(got[1:], want[1:], ["x"] + names):
         assert_close(g, w, chain_tolerance("float32", forward + forward + (b * s,)), f"d {name}")
+
+
+def documented_bnsd_flash_attention(calls):
+    """FlashAttentionScore's documented BNSD semantics with an explicit mask (sparse_mode 0: 1 = discard), checking
+    the documented shapes: one head size for q, k and v, attn_mask [B, 1, S1, S2]."""
+    from mindspore import Tensor
+
+    def call(query, key, value, head_num, *, attn_mask, scalar_value, input_layout, sparse_mode):
+        q, k, v, mask = (x.asnumpy() for x in (query, key, value, attn_mask))
+        assert (input_layout, sparse_mode) == ("BNSD", 0) and q.shape[1] == head_num
+        assert q.shape[3] == k.shape[3] == v.shape[3] and k.shape == v.shape, "one head size for q, k and v"
+        assert mask.dtype == np.uint8 and mask.shape == (q.shape[0], 1, q.shape[2], k.shape[2])
+        scores = q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2) * scalar_value
+        scores = np.where(mask.astype(bool), -np.inf, scores)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        calls.append(q.shape[2])
+        return Tensor(((p / p.sum(-1, keepdims=True)) @ v).astype(q.dtype))
+    return call
+
+
+def test_ascend_binding_of_a_context_parallel_shard(monkeypatch):
+    """The load-balanced shards of cp=2 (a front and a back block each, or one run where they meet), MLA's unequal head sizes: each block's
+    queries against the keys up to its end with a per-document causal mask; with FlashAttentionScore's documented
+    BNSD semantics every shard's rows are the whole sequence's rows at its positions."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+    from parallel.cp import shard_positions
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    calls = []
+    monkeypatch.setattr(ops, "flash_attention_score", documented_bnsd_flash_attention(calls))
+    lens = [[70, 150, 36], [256]]
+    seg = segment_ids(lens)
+    b, h, s, dq, dv = 2, 2, 256, 48, 32
+    q, k, v, _ = inputs(np.random.default_rng(5), b, h, s, dq, dv, "float32")
+    whole = reference(q, k, v, seg, SCALE, v)[0]
+    for rank in range(2):
+        rows = shard_positions(s, 2, rank)
+        # rank 0: blocks 0 and 3; rank 1: blocks 1 and 2, adjacent, one run of 128 rows
+        assert fa.position_blocks(rows) == (((0, 0, 64), (64, 192, 64)), ((0, 64, 128),))[rank]
+        got = fa.FlashAttentionAscend(SCALE, rows)(Tensor(q[:, :, rows]), Tensor(k), Tensor(v), Tensor(seg)).asnumpy()
+        assert got.shape == (b, h, len(rows), dv)
+        assert_close(got, whole[:, :, rows], chain_tolerance("float32", (dq, s, s)), f"shard {rank}")
+    assert calls == [64, 64, 128]

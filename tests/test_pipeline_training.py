@@ -13,6 +13,7 @@ import shutil
 
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli
+from tests.test_data_parallel import assert_memory_lines
 from tests.test_training import NO_EVAL, SHORT, sets
 
 
@@ -26,6 +27,7 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
                              f"output_dir={out}"), cluster_time_out=120)
     assert proc.returncode == 0, logs
     assert "[pipeline] layers per chunk [0, 1, 1, 1, 1, 0]" in logs
+    assert_memory_lines(logs, 4)      # each stage's layers as the placement puts them, the embedding's copy
     assert_losses_match(one, out, range(1, 5), "pp=2 x vpp=3 x dp=2 x ep=2")
     assert_no_divergence(one, out)
     drawn = run_cli("-m", "scripts.pipeline_timeline", str(out), "--pipeline", "1", "--png-dir", str(tmp_path))
@@ -57,3 +59,19 @@ def test_interleaved_pipeline_with_data_and_expert_parallelism_matches_one_proce
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
     assert_losses_match(one, resumed, (4,), "pp=2 x vpp=3 x dp=2 x ep=2 resumed at pp=1")
+
+
+def test_dualpipev_is_a_trainable_schedule_with_its_sizes():
+    """parallel_config.pipeline_scheduler: dualpipev trains (the executor runs its V, tests/test_pipeline_executor.py)
+    where its schedule exists: two chunks per stage and at least 2p micro-batches, each refusal naming its key."""
+    import pytest
+
+    from telechat_moe.recipe import RecipeError, load_recipe
+    v = ["parallel_config.pipeline_stage=2", "parallel_config.pipeline_scheduler=dualpipev"]
+    assert load_recipe("tiny", v + ["parallel_config.pp_interleave_num=2", "parallel_config.micro_batch_num=4"]
+                       ).parallel_config.pipeline_scheduler == "dualpipev"
+    for extra, key in ((["parallel_config.micro_batch_num=4"], "pp_interleave_num"),
+                       (["parallel_config.pp_interleave_num=2", "parallel_config.micro_batch_num=2"],
+                        "micro_batch_num")):
+        with pytest.raises(RecipeError, match=f"parallel_config.{key}: dualpipev"):
+            load_recipe("tiny", v + extra)

@@ -2,7 +2,8 @@
 import pytest
 
 from parallel.layout import ParallelLayout
-from parallel.planner.model_shape import (ModelShape, flops_per_token, parameter_breakdown, stage_parameters,
+from parallel.planner.model_shape import (ModelShape, StageHolding, block_parameters, contiguous_stages,
+                                          expert_params, flops_per_token, parameter_breakdown, stage_parameters,
                                           training_memory)
 
 TELECHAT3_105B = ModelShape(
@@ -73,11 +74,32 @@ def test_training_flops_near_six_times_active_plus_attention():
 
 
 def test_stage_parameters_add_up_without_sharding():
-    """Every parameter on one stage, save the embedding, which MTP's last stage holds a copy of."""
+    """Every parameter once, and the last stage's copy of the embedding that MTP looks the next tokens up in."""
     layout = ParallelLayout(pp=4, micro_batch_num=4)
     stages = stage_parameters(TELECHAT3_105B, layout)
-    copy = TELECHAT3_105B.vocab_size * TELECHAT3_105B.hidden_size
-    assert sum(st["dense"] + st["expert"] for st in stages) == parameter_breakdown(TELECHAT3_105B)["total"] + copy
+    p = parameter_breakdown(TELECHAT3_105B)
+    assert sum(st["dense"] + st["expert"] for st in stages) == p["total"] + p["embedding"]
+    one = stage_parameters(TELECHAT3_105B, ParallelLayout())
+    assert one[0]["dense"] + one[0]["expert"] == p["total"]
+
+
+def test_stages_of_an_interleaved_placement_and_spare_expert_slots():
+    """A stage holding any set of layers (an interleaved schedule's chunks) counts what it holds: stage 0 the
+    embedding and MoE layers 1 and 3, stage 1 the dense layer 0, MoE layer 2, the tail and the embedding's copy;
+    a spare expert slot adds one expert per MoE layer, MTP's included."""
+    layout = ParallelLayout(pp=2, micro_batch_num=2)
+    held = [StageHolding(frozenset({1, 3}), True, False), StageHolding(frozenset({0, 2}), False, True)]
+    b = block_parameters(TINY, 1, 1)
+    for spare in (0, 1):
+        s0, s1 = stage_parameters(TINY, layout, held, spare)
+        expert = b["moe_expert"] + spare * expert_params(TINY)
+        assert s0 == {"dense": b["vocab"] + 2 * b["moe_dense"], "expert": 2 * expert}
+        assert s1 == {"dense": b["dense_layer"] + b["moe_dense"] + b["final_norm"] + 2 * b["vocab"]
+                      + b["mtp_dense"], "expert": 2 * expert}
+    assert stage_parameters(TINY, layout, [3, 1]) == stage_parameters(TINY, layout, contiguous_stages([3, 1]))
+    with pytest.raises(ValueError, match="layers_per_stage"):
+        stage_parameters(TINY, layout, [StageHolding(frozenset({0, 1, 2}), True, True),
+                                        StageHolding(frozenset({3}), True, False)])
 
 
 def test_experts_split_by_ep_times_etp_and_optimizer_by_data_parallel_groups():

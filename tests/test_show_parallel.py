@@ -64,6 +64,10 @@ CASES = {
         "model.moe_token_dispatcher_type=hierarchical", "training.global_batch_size=8",
         "model.num_nextn_predict_layers=0"]),
     "105b layout": ("105b", SMALL_105B),
+    "tiny cp2 tp2 sp ep2 z-loss": ("tiny", SMALL + ["parallel_config.context_parallel=2",
+                                                   "parallel_config.model_parallel=2",
+                                                   "parallel_config.use_seq_parallel=true",
+                                                   "parallel_config.expert_parallel=2", "model.moe_z_loss_coeff=0.001"]),
 }
 
 
@@ -83,6 +87,7 @@ def built_and_run(recipe):
     PrepareGradients -> (model, {direction: Counter of (kind, size, shape, dtype, group)}, the trainer's kinds)."""
     import mindspore as ms
     from mindspore import Tensor
+    from parallel.cp import ContextParallel
     from parallel.tp.mappings import TensorParallel
     from telechat_moe.model import TeleChatMoE
     from telechat_moe.moe.dispatch import ExpertParallel
@@ -107,7 +112,9 @@ def built_and_run(recipe):
     else:
         ep = ExpertParallel(lay.ep, coords[Axis.EP], "alltoall", per_node, t["ep"])
     ms.set_seed(0)
-    model = TeleChatMoE(cfg, "CPU", ep, tp)
+    cp = ContextParallel(lay.cp, coords[Axis.CP], t["cp"], cfg.seq_length, t["tp_cp"]) if lay.cp > 1 \
+        else ContextParallel()
+    model = TeleChatMoE(cfg, "CPU", ep, tp, cp=cp)
     b = recipe.training.global_batch_size // (lay.dp * lay.micro_batch_num)
     s = cfg.seq_length
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, s + 1)).astype(np.int32)

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli, run_workers
+from tests.test_data_parallel import assert_memory_lines
 from tests.test_training import NO_EVAL, SHORT, metrics, sets
 
 CASES = {"seeded init", "column", "column gather_output", "column sequence_parallel", "row", "row sequence_parallel",
@@ -72,10 +73,12 @@ def test_tensor_and_expert_parallel_training_matches_one_process_and_reshards(tm
         proc, logs = msrun(4, tmp_path / f"{name}_logs", "run_train.py", "--recipe", "tiny",
                            *(["--resume"] if resume else []), *sets(*common, *assignments), cluster_time_out=90)
         assert proc.returncode == 0, logs
+        return logs
 
     layout = ["parallel_config.model_parallel=2", "parallel_config.data_parallel=2", "parallel_config.expert_parallel=4",
               "parallel_config.devices_per_node=2", "model.moe_token_dispatcher_type=hierarchical"]
-    msrun_train("tp2", "training.train_steps=2", "training.dump_steps=1-2", *layout, f"output_dir={tp2}")
+    assert_memory_lines(msrun_train("tp2", "training.train_steps=2", "training.dump_steps=1-2", *layout,
+                                    f"output_dir={tp2}"), 4)
     assert_losses_match(one, tp2, (1, 2), "tp=2 x dp=2 x ep=4 hierarchical")
     assert_no_divergence(one, tp2)
     dry = run_cli("run_train.py", "--recipe", "tiny", "--dry-run", *sets(*common, *layout))

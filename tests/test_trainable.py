@@ -53,7 +53,8 @@ def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
                           "alltoall", "moe_comm_chunks": 2 if row.ep_overlap else 1},
                 "parallel_config": {"data_parallel": row.dp, "model_parallel": row.tp, "pipeline_stage": row.pp,
                                     "pp_interleave_num": row.vpp, "expert_parallel": row.ep,
-                                    "expert_model_parallel": row.etp, "micro_batch_num": row.micro_batch_num,
+                                    "expert_model_parallel": row.etp, "context_parallel": row.cp,
+                                    "micro_batch_num": row.micro_batch_num,
                                     "use_seq_parallel": row.tp > 1}}
         sets = [f"{section}.{k}={v}" for section, keys in body.items() for k, v in keys.items()]
         r = load_recipe("1t", sets + ["context.max_device_memory_gb=0"])
@@ -62,17 +63,20 @@ def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
 
 
 def test_each_switch_is_one_line(monkeypatch):
-    """Expert tensor parallelism, context parallelism and DualPipeV become trainable by their switch alone."""
+    """Expert tensor parallelism, context parallelism and DualPipeV become trainable by their switch alone (context
+    parallelism's is on: it trains beside dp, tp and ep, not yet under a pipeline)."""
     s = load_recipe("1t").model.to_model_shape()
     etp = dict(tp=4, pp=16, ep=4, etp=4)
     assert "expert_model_parallel: 4 is not trained yet" in trainable.refusal(s, 8192, **etp)
-    assert "context_parallel: 2 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2)
+    assert trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2) is None
+    assert "context_parallel: 2 with pipeline_stage=16 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1,
+                                                                                                cp=2)
     assert "dualpipev is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev")
     monkeypatch.setattr(trainable, "EXPERT_TENSOR_PARALLEL_TRAINS", True)
     monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", True)
     monkeypatch.setattr(trainable, "TRAINED_SCHEDULES", trainable.TRAINED_SCHEDULES + ("dualpipev",))
     assert trainable.refusal(s, 8192, **etp) is None
-    assert trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2, schedule="dualpipev") is None
+    assert trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev") is None
     w = Workload(s, load_cluster("ascend910b"), devices=4096, seq_length=8192, global_batch=2048)
     assert set(enumerate_layouts(w)[0].etp) == {1, 2, 4, 8}
 

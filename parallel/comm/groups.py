@@ -67,8 +67,13 @@ class ProcessGroups:
         g = Group(_name(kind, ranks, self.layout.world_size), ranks, self.rank)
         return _create(g) if self.create else g
 
-    def axis(self, axis: Axis) -> Group:
-        return self._group(axis.value, self.layout.group_of(axis, self.rank))
+    def axis(self, axis: Axis, *more: Axis) -> Group:
+        """The ranks that vary along `axis` (and the `more` axes: data x context for the dense gradients, tensor x
+        context for a sequence's tokens) and share this rank's other coordinates."""
+        ranks = self.layout.group_of(axis, self.rank, *more)
+        if more and len(ranks) == len(self.layout.group_of(axis, self.rank)):
+            more = ()       # the `more` axes of degree 1: the one axis's group, named and created once
+        return self._group("_".join(a.value for a in (axis,) + more), ranks)
 
     def ep_in_node(self) -> Group:
         """The EP ranks that share this rank's node: the second level of a hierarchical all-to-all."""

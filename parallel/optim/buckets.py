@@ -104,6 +104,15 @@ class BucketPlan:
         """Elements of one rank's shards over all buckets (padding included)."""
         return sum(b.shard_size for b in self.buckets)
 
+    def backward_order(self) -> tuple[int, ...]:
+        """The buckets in the order the backward completes them, the order to issue their reductions in: a bucket
+        is complete once the gradient of its parameter earliest in the given (forward) order is, so the one whose
+        earliest parameter comes last goes first (Megatron-Core builds its buckets in reverse for the same reason).
+        Collectives on one communication stream run in the order they are issued: issued in the forward's order,
+        the first bucket (the embedding's, complete last) would hold every other bucket's reduction back until
+        the backward ends."""
+        return tuple(sorted(range(len(self.buckets)), key=lambda b: -min(self.buckets[b].params)))
+
     def location(self, param: int) -> tuple[int, int]:
         """(bucket, first element in it) of parameter `param`."""
         for b, bucket in enumerate(self.buckets):

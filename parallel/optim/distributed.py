@@ -12,7 +12,10 @@ buckets is `buckets.py`):
 On CPU the transports' reduce-scatter and all-gather are emulations made of mccl's AllReduce with the real
 contract (parallel/comm/transport.py); on Ascend they are HCCL's ReduceScatter and AllGather on the same groups.
 Each bucket's collective is a Cell of its own (`_BucketComm`), so a bucket's reduction depends only on its own
-gradients: the graph compiler may start it as soon as the backward has produced them.
+gradients: the graph compiler may start it as soon as the backward has produced them. The reductions are issued
+in the order the backward completes the buckets (`BucketPlan.backward_order`), the order in which a communication
+stream that runs collectives as issued can overlap each with the rest of the backward
+(docs/distributed-optimizer.md, "Overlap with the backward").
 """
 from __future__ import annotations
 
@@ -79,6 +82,9 @@ class ShardedGradients(nn.Cell):
         super().__init__(auto_prefix=False)
         self.members = tuple(b.params for b in plan.buckets)
         self.pads = tuple(b.padded - b.numel for b in plan.buckets)
+        # reductions issued in the order the backward completes the buckets; `position[b]`: bucket b's among them
+        self.issue = plan.backward_order()
+        self.position = tuple(self.issue.index(b) for b in range(len(plan.buckets)))
         self.comms = nn.CellList([_BucketComm(transports[b.route.shard],
                                               transports[b.route.pre_sum] if b.route.pre_sum else None)
                                   for b in plan.buckets])
@@ -115,13 +121,16 @@ class ShardedGradients(nn.Cell):
         """-> (this rank's summed slice of each bucket, the factor to multiply them by, the global norm, finite).
         The sums over ranks are linear, so the unscaling, the division by dp and the clipping are one factor
         applied inside the update."""
-        shards = ()
-        for b in range(len(self.members)):
+        issued = ()
+        for b in self.issue:
             flat = self.flatten(grads, b)
             if self.grad_buffers is not None:
                 flat = flat + self.grad_buffers[b]
                 ops.assign(self.grad_buffers[b], ops.zeros_like(flat))
-            shards = shards + (self.comms[b](flat),)
+            issued = issued + (self.comms[b](flat),)
+        shards = ()
+        for b in range(len(self.members)):
+            shards = shards + (issued[self.position[b]],)
         each = ()
         for b in range(len(self.members)):
             s = shards[b] if self.masks[b] is None else shards[b] * self.masks[b]

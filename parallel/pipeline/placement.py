@@ -69,7 +69,7 @@ class PlacementOptions:
     # MTP's embedding lookup done on the first stage next to the main one, its result sent along; off: the MTP
     # stage holds its own copy of the embedding table.
     mtp_embedding_on_first_stage: bool = False
-    # off: the MTP's embedding priced as the planner's cost model bills it, neither a second lookup nor a copy
+    # off: neither a second lookup nor a copy of the embedding (the cost model's copy on the last stage taken out)
     mtp_embedding_copy: bool = True
     memory_limit: float = math.inf  # bytes per device
     # the planner's cost model: the dense layers in the first segment (chunk 0 of stage 0, with the embedding),
@@ -417,8 +417,8 @@ def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions
         mtp["transient"] = last["transient"]  # an MTP depth runs the shared head itself
         if options.mtp_apart_from_head:
             mtp["static"] += head["static"]
-        if depth and options.mtp_embedding_copy and not options.mtp_embedding_on_first_stage:
-            mtp["static"] += emb["static"]
+        if depth and (not options.mtp_embedding_copy or options.mtp_embedding_on_first_stage):
+            mtp["static"] -= emb["static"] / depth      # stage_memory bills the copy on the last stage
     if depth and options.mtp_embedding_on_first_stage:
         # the cost model bills the MTP lookup's tensor-parallel collectives in the MTP depth: they move with it
         for r in modes:

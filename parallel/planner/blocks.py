@@ -46,12 +46,16 @@ class BlockCosting(Costing):
             proj = [(T, h, heads * qk), (T, h, 2 * kv_heads * qk), (T, heads * qk, h)]
             norms = qk_heads * qk * s.qk_layernorm
             return proj, 4 * heads * qk + 2 * qk_heads * qk + 3 * norms, 2 * heads * qk + 2 * kv_heads * qk, norms
-        proj = [(T, s.kv_lora_rank, H * (s.qk_nope_head_dim + vd) / tp), (T, H * vd / tp, h),
+        # under cp the keys and values of the whole sequence are made from the gathered latent on every rank
+        # (parallel/cp): its projection and the keys and values it makes cover cp times the rank's tokens
+        whole = T * self.cp
+        proj = [(whole, s.kv_lora_rank, H * (s.qk_nope_head_dim + vd) / tp), (T, H * vd / tp, h),
                 (T, h, s.kv_lora_rank + s.qk_rope_head_dim)]
         proj += ([(T, h, s.q_lora_rank), (T, s.q_lora_rank, H * qk / tp)] if s.q_lora_rank else [(T, h, H * qk / tp)])
         latent = s.q_lora_rank + s.kv_lora_rank
         elementwise = 3 * latent + 4 * heads * qk + 2 * heads * s.qk_rope_head_dim
-        kept = 2 * (s.kv_lora_rank + s.qk_rope_head_dim) + s.q_lora_rank + heads * (2 * qk + 2 * vd)
+        kept = (2 * (s.kv_lora_rank + s.qk_rope_head_dim) * self.cp + s.q_lora_rank + heads * (qk + vd)
+                + heads * (qk + vd) * self.cp)
         return proj, elementwise, kept, latent
 
     def attention(self):
@@ -100,7 +104,8 @@ class BlockCosting(Costing):
         af, ab_, a_rsel, a_full, a_sel, a_elem = self.attention()
         ff, fb, f_elem, f_full, f_sel = self.swiglu_ffn(self.T, s.dense_intermediate / self.tp)
         norm = self.stream(self.ab * self.Tl * 4 * s.hidden_size)
-        comm_f, comm_b = self.tp_comm(tp_traffic.dense_layer(*self.sp_args()))
+        comm_f, comm_b = (t + c for t, c in zip(self.tp_comm(tp_traffic.dense_layer(*self.sp_args())),
+                                                 self.cp_comm()))
         fwd = af + ff + norm + self.ops(12)
         bwd = ab_ + fb + 2 * norm + self.ops(24)
         act_none = a_full + f_full + self.ab * self.Tl * s.hidden_size
@@ -134,7 +139,8 @@ class BlockCosting(Costing):
         exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a_b) + np.minimum(expert_bwd, a2a_b) / 2 - expert_bwd,
                              a2a_b)
         # around attention and around the shared expert, and the router's sums over tp
-        tp_f, tp_b = self.tp_comm(tp_traffic.moe_layer(*self.sp_args(), E, s.device_aux_loss, s.z_loss))
+        tp_f, tp_b = (t + c for t, c in zip(self.tp_comm(tp_traffic.moe_layer(*self.sp_args(), E, s.device_aux_loss,
+                                                                               s.z_loss)), self.cp_comm()))
         # the expert block's tensors have the exchange buffer's rows (padding included)
         flat_rows, inner_rows = self.ep_copies()
         nodes, _ = self.group_span(self.ep, self.etp)

@@ -72,8 +72,8 @@ from parallel.planner.workload import FP32, Layouts, Workload
 def p2p_time(w: Workload, lay: Layouts) -> np.ndarray:
     """Seconds to send one micro-batch's hidden state (sequence-parallel shard) to the next stage."""
     c = w.cluster
-    nbytes = lay.mbs * w.seq_length * w.shape.hidden_size * w.precision.activation_bytes / lay.tp
-    inside = lay.dp * lay.tp * lay.pp <= c.devices_per_node
+    nbytes = lay.mbs * w.seq_length * w.shape.hidden_size * w.precision.activation_bytes / (lay.tp * lay.cp)
+    inside = lay.dp * lay.cp * lay.tp * lay.pp <= c.devices_per_node
     bw = np.where(inside, c.intra_bandwidth, c.inter_bandwidth) * c.network_efficiency
     lat = np.where(inside, c.intra_latency, c.inter_latency)
     return np.where(lay.pp > 1, nbytes / bw + lat, 0.0)
@@ -171,8 +171,8 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
             transient = np.maximum(transient, np.where(count > 0, blk.transient[mode], 0.0))
             transient_none = np.maximum(transient_none, np.where(count > 0, blk.transient[0], 0.0))
             largest_act = np.maximum(largest_act, np.where(count > 0, blk.act[mode], 0.0))
-    shards_dense = lay.dp if w.shard_optimizer else 1
-    shards_expert = lay.dp * lay.tp // (lay.ep * lay.etp) if w.shard_optimizer else 1
+    shards_dense = lay.dp * lay.cp if w.shard_optimizer else 1     # the dense gradients' group is dp x cp
+    shards_expert = lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp) if w.shard_optimizer else 1
     params = dense + expert
     rt = w.cluster.runtime
     # on the device: the kept activations but their offloaded share, and that share of the two blocks in transfer
@@ -202,7 +202,7 @@ def fixed_memory(w: Workload, lay: Layouts) -> np.ndarray:
     communication groups of more than one device, and the runtime's working memory (once per compiled graph where
     the runtime keeps every operator output: two when a step accumulates gradients)."""
     rt = w.cluster.runtime
-    groups = sum((np.asarray(g) > 1).astype(np.float64) for g in (lay.dp, lay.tp, lay.pp, lay.ep, lay.etp))
+    groups = sum((np.asarray(g) > 1).astype(np.float64) for g in (lay.dp, lay.tp, lay.pp, lay.ep, lay.etp, lay.cp))
     graphs = np.where(rt.keeps_op_outputs & (lay.m > 1), 2.0, 1.0)
     return groups * rt.communicator_memory + graphs * rt.graph_memory
 
@@ -213,9 +213,11 @@ def gradient_comm(w: Workload, lay: Layouts, mem: dict) -> dict[str, np.ndarray]
     the all-reduce of the weights replicated over tp (their partial gradients) and of the gradient norm's tp scalar;
     'ep' the norm's scalar over the EP group. `mem`: stage_memory's dense_params, expert_params, replicated_params."""
     p, c = w.precision, Costing(w, lay)
-    edp, ep = (lay.dp * lay.tp) / (lay.ep * lay.etp), lay.ep * lay.etp
+    edp, ep = (lay.dp * lay.cp * lay.tp) / (lay.ep * lay.etp), lay.ep * lay.etp
     dense, expert = mem["dense_params"], mem["expert_params"]
-    return {"dp": (c.all_gather(dense * p.grad_bytes, c.dp, c.tp), c.all_gather(dense * p.param_bytes, c.dp, c.tp)),
+    dense_group = c.dp * c.cp      # a context-parallel rank's gradient is its share of the sequence's (parallel/cp)
+    return {"dp": (c.all_gather(dense * p.grad_bytes, dense_group, c.tp),
+                   c.all_gather(dense * p.param_bytes, dense_group, c.tp)),
             "edp": (c.all_gather(expert * p.grad_bytes, edp, ep), c.all_gather(expert * p.param_bytes, edp, ep)),
             "tp": c.all_reduce(mem["replicated_params"] * p.grad_bytes, c.tp) + c.all_reduce(FP32, c.tp),
             "ep": c.all_reduce(FP32, c.ep, c.etp)}
@@ -226,14 +228,14 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     runtime's separate gradient-accumulation passes; `fwd` / `bwd` are the stage's per-micro-batch times that the
     data-parallel reduce-scatter / all-gather hide behind (the sums over tp and ep run after the backward)."""
     p, c = w.precision, Costing(w, lay)
-    edp = (lay.dp * lay.tp) / (lay.ep * lay.etp)
+    edp = (lay.dp * lay.cp * lay.tp) / (lay.ep * lay.etp)
     dense, expert = mem["dense_params"], mem["expert_params"]
     g = gradient_comm(w, lay, mem)
     rs, ag = g["dp"][0] + g["edp"][0], g["dp"][1] + g["edp"][1]
     exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd) if w.overlap_grad_reduce else rs + ag
     exposed = exposed + g["tp"] + g["ep"]
     per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * p.master + p.param_bytes
-    shards_d = c.dp if w.shard_optimizer else 1.0
+    shards_d = c.dp * c.cp if w.shard_optimizer else 1.0
     shards_e = edp if w.shard_optimizer else 1.0
     rt = c.c.runtime
     update = rt.update_scale / rt.compute_scale  # the update kernels' own scale

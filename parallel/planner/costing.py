@@ -8,6 +8,7 @@ import numpy as np
 
 from parallel.ep.capacity import routed_copies, sent_rows
 from parallel.planner import tp_traffic
+from parallel.planner.model_shape import kv_per_device
 from parallel.planner.workload import FP32, Layouts, Workload
 
 
@@ -26,7 +27,9 @@ class Costing:
         f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731 - local shorthand
         self.tp, self.ep, self.etp, self.dp = f(lay.tp), f(lay.ep), f(lay.etp), f(lay.dp)
         self.mbs = f(lay.mbs)  # sequences of one micro-batch
-        self.T = self.mbs * w.seq_length  # tokens of one micro-batch (one data-parallel replica)
+        self.cp = f(lay.cp)
+        # tokens of one micro-batch a device's tp group computes (one data-parallel replica's, 1/cp of each sequence)
+        self.T = self.mbs * w.seq_length / self.cp
         self.Tl = self.T / self.tp  # tokens a device owns under sequence parallelism
         self.ab = float(p.activation_bytes)
         self.role_bytes = {tp_traffic.COMPUTE: self.ab, tp_traffic.RESIDUAL: float(p.residual_bytes),
@@ -105,8 +108,18 @@ class Costing:
         return self.tp_time(collectives, "forward"), self.tp_time(collectives, "backward")
 
     def sp_args(self):
-        """tp_traffic's (s, b, t, h) of these layouts."""
-        return float(self.w.seq_length), self.mbs, self.tp, self.s.hidden_size
+        """tp_traffic's (s, b, t, h) of these layouts (s: the positions a context-parallel rank holds)."""
+        return self.w.seq_length / self.cp, self.mbs, self.tp, self.s.hidden_size
+
+    def cp_comm(self):
+        """(forward, backward) seconds of one attention block's context-parallel collectives (parallel/cp): the
+        all-gather of the keys' and values' source over the cp group (MLA: the normed latent and the rotated shared
+        key; GQA: the rank's key and value heads), the reduce-scatter of its gradient in the backward."""
+        s = self.s
+        width = (s.kv_lora_rank + s.qk_rope_head_dim if s.mla
+                 else 2 * kv_per_device(s, self.tp)[0] / (2 * s.hidden_size))
+        t = self.all_gather(self.mbs * self.w.seq_length * width * self.ab, self.cp, self.tp)
+        return t, t
 
     def ops(self, n):
         return n * self.c.op_overhead

@@ -263,30 +263,60 @@ def dense_layers_in(s: ModelShape, first_layer, count):
     return np.clip(np.minimum(first_layer + count, s.first_k_dense) - first_layer, 0, None)
 
 
-def stage_parameters(s: ModelShape, layout: ParallelLayout,
-                     layers_per_stage: list[int] | None = None) -> list[dict[str, float]]:
-    """Parameters held by one device of each pipeline stage, split into 'dense' and 'expert' (they shard the
-    optimizer over different groups). Stage 0 holds the embedding, the last stage the head and MTP."""
-    counts = layers_per_stage or even_layer_split(s.num_layers, layout.pp)
-    if len(counts) != layout.pp or sum(counts) != s.num_layers:
-        raise ValueError(f"layers_per_stage: expected {layout.pp} stages summing to {s.num_layers}, got {counts}")
-    b = block_parameters(s, layout.tp, layout.ep * layout.etp)
+@dataclass(frozen=True)
+class StageHolding:
+    """What one device of a pipeline stage holds: its decoder layers (any set: an interleaved schedule's chunks are
+    not contiguous), whether it holds the first chunk (the embedding) and the last (final norm, head and MTP)."""
+    layers: frozenset[int]
+    first: bool
+    last: bool
+
+
+def contiguous_stages(counts: list[int]) -> list[StageHolding]:
+    """Stages of `counts` consecutive layers each, the embedding on the first, the tail on the last."""
     out, first = [], 0
     for stage, n in enumerate(counts):
-        n_dense = int(dense_layers_in(s, first, n))
+        out.append(StageHolding(frozenset(range(first, first + n)), stage == 0, stage == len(counts) - 1))
         first += n
-        dense = n_dense * b["dense_layer"] + (n - n_dense) * b["moe_dense"]
-        expert = (n - n_dense) * b["moe_expert"]
-        if stage == 0:
+    return out
+
+
+def _check_stages(s: ModelShape, pp: int, stages: list[StageHolding]) -> None:
+    layers = [i for h in stages for i in h.layers]
+    if (len(stages) != pp or sorted(layers) != list(range(s.num_layers)) or sum(h.first for h in stages) != 1
+            or sum(h.last for h in stages) != 1):
+        raise ValueError(f"layers_per_stage: expected {pp} stages holding layers 0..{s.num_layers - 1} once, one "
+                         f"first and one last, got {stages}")
+
+
+def stage_parameters(s: ModelShape, layout: ParallelLayout, layers_per_stage=None,
+                     spare_slots: int = 0) -> list[dict[str, float]]:
+    """Parameters held by one device of each pipeline stage, split into 'dense' and 'expert' (they shard the
+    optimizer over different groups). `layers_per_stage`: layer counts of consecutive stages (default the even
+    split), or a StageHolding per stage (the pipeline placement the trainer builds). The first chunk's stage holds
+    the embedding, the last chunk's the final norm, head and MTP, and a copy of the embedding for MTP's lookup of
+    the next tokens (or as the tied head) where it does not hold the first chunk. `spare_slots`: expert slots per
+    rank and MoE layer (MTP's included) beyond its share, for replicas of hot experts (each one expert's weights
+    and optimizer state)."""
+    if layers_per_stage is None or all(isinstance(n, int) for n in layers_per_stage):
+        counts = layers_per_stage or even_layer_split(s.num_layers, layout.pp)
+        if len(counts) != layout.pp or sum(counts) != s.num_layers:
+            raise ValueError(f"layers_per_stage: expected {layout.pp} stages summing to {s.num_layers}, got {counts}")
+        layers_per_stage = contiguous_stages(counts)
+    _check_stages(s, layout.pp, layers_per_stage)
+    b = block_parameters(s, layout.tp, layout.ep * layout.etp)
+    moe_expert = b["moe_expert"] + spare_slots * expert_params(s) / layout.etp
+    out = []
+    for h in layers_per_stage:
+        n_dense = sum(i < s.first_k_dense for i in h.layers)
+        n_moe = len(h.layers) - n_dense
+        dense = n_dense * b["dense_layer"] + n_moe * b["moe_dense"]
+        expert = n_moe * moe_expert
+        if h.first or (h.last and (s.mtp_depth > 0 or s.tie_embeddings)):
             dense += b["vocab"]
-        if stage == layout.pp - 1:
-            # a tied head on a separate last stage is a second copy, kept in sync by an all-reduce
-            dense += b["final_norm"] + (b["vocab"] if not s.tie_embeddings or layout.pp > 1 else 0)
-            dense += s.mtp_depth * b["mtp_dense"]
-            # MTP embeds the next tokens: a last stage apart from the embedding's keeps its own copy of it (summed
-            # with the first stage's gradient); a tied head is that copy already
-            dense += b["vocab"] if s.mtp_depth and layout.pp > 1 and not s.tie_embeddings else 0
-            expert += s.mtp_depth * b["mtp_expert"]
+        if h.last:
+            dense += b["final_norm"] + (0 if s.tie_embeddings else b["vocab"]) + s.mtp_depth * b["mtp_dense"]
+            expert += s.mtp_depth * moe_expert
         out.append({"dense": dense, "expert": expert})
     return out
 
@@ -320,9 +350,8 @@ def rank_static_bytes(dense, expert, dense_shards, expert_shards, param_bytes: f
 
 
 def training_memory(s: ModelShape, layout: ParallelLayout, param_bytes: float, grad_bytes: float,
-                    optimizer_bytes_per_param: float, shard_optimizer: bool,
-                    layers_per_stage: list[int] | None = None, master_bytes: float | None = None,
-                    accumulate_bytes: float = 0.0) -> dict:
+                    optimizer_bytes_per_param: float, shard_optimizer: bool, layers_per_stage=None,
+                    master_bytes: float | None = None, accumulate_bytes: float = 0.0, spare_slots: int = 0) -> dict:
     """Bytes per device for weights, gradients and optimizer states (`rank_static_bytes`), for the heaviest
     pipeline stage.
 
@@ -334,9 +363,9 @@ def training_memory(s: ModelShape, layout: ParallelLayout, param_bytes: float, g
     master = master_copy_bytes(param_bytes, master_bytes)
     dense_shards = layout.dp * layout.cp if shard_optimizer else 1
     expert_shards = layout.edp if shard_optimizer else 1
-    per_stage = [rank_static_bytes(p["dense"], p["expert"], dense_shards, expert_shards, param_bytes, grad_bytes,
-                                   optimizer_bytes_per_param, master, accumulate_bytes)
-                 for p in stage_parameters(s, layout, layers_per_stage)]
+    per_stage = [{**p, **rank_static_bytes(p["dense"], p["expert"], dense_shards, expert_shards, param_bytes,
+                                           grad_bytes, optimizer_bytes_per_param, master, accumulate_bytes)}
+                 for p in stage_parameters(s, layout, layers_per_stage, spare_slots)]
     worst = max(range(len(per_stage)), key=lambda i: per_stage[i]["total"])
     return {**per_stage[worst], "stage": worst, "per_stage": per_stage}
 

@@ -16,7 +16,7 @@ from parallel.planner.workload import Workload
 GIB = 2 ** 30
 # column -> ParallelLayout field
 COLUMNS = {"tp": "tp", "pp": "pp", "vpp": "vpp", "dp": "dp", "ep": "ep", "etp": "etp", "mbs": "micro_batch_size",
-           "m": "micro_batch_num"}
+           "m": "micro_batch_num", "cp": "cp"}
 
 
 def layout_text(layout: ParallelLayout) -> str:
@@ -102,7 +102,7 @@ def recipe_overrides(c: Candidate, w: Workload) -> dict:
                   "moe_comm_chunks": 2 if lay.ep_overlap else 1},
         "parallel_config": {"data_parallel": lay.dp, "model_parallel": lay.tp, "pipeline_stage": lay.pp,
                             "pp_interleave_num": lay.vpp, "expert_parallel": lay.ep,
-                            "expert_model_parallel": lay.etp, "context_parallel": 1,
+                            "expert_model_parallel": lay.etp, "context_parallel": lay.cp,
                             "micro_batch_num": lay.micro_batch_num, "use_seq_parallel": lay.tp > 1,
                             "devices_per_node": lay.devices_per_node,
                             # interleaved 1F1B is the trainer's 1f1b with pp_interleave_num > 1

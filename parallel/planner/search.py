@@ -1,6 +1,6 @@
 """Enumerate the layout space as NumPy arrays, prune what cannot exist, score the rest in one vectorised pass.
 
-Dimensions: tp, pp, vpp, ep, etp, micro-batch size, recompute, EP scheme, EP overlap; dp follows from the device
+Dimensions: tp, cp, pp, vpp, ep, etp, micro-batch size, recompute, EP scheme, EP overlap; dp follows from the device
 count and the number of micro-batches from the global batch. A layout is dropped before scoring when it cannot
 exist (the rules of parallel.layout, evaluated on the arrays: divisibility, micro-batch counts, heads and GQA's KV
 heads, experts (a dense model has none: ep = etp = 1), layers, tensor parallelism within a node), lies outside the
@@ -20,12 +20,15 @@ from parallel.layout import (EP_SCHEMES, RECOMPUTE, experts_fold_over_dense, exp
                              kv_heads_split, layers_fill_chunks, micro_batches_fill_stages, tp_within_node)
 from parallel.planner.cost_model import evaluate
 from parallel.planner.trainable import trainable
+from parallel.planner import trainable as trainable_module
 from parallel.planner.workload import Layouts, Workload
 
 
 @dataclass(frozen=True)
 class SearchSpace:
     tp: tuple[int, ...] = (1, 2, 4, 8, 16)
+    # context parallelism, tried where each rank keeps at least CP_MIN_POSITIONS positions of a sequence
+    cp: tuple[int, ...] = (1, 2, 4, 8)
     vpp: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     etp: tuple[int, ...] = (1, 2, 4, 8)
     mbs: tuple[int, ...] = (1, 2, 4, 8)
@@ -34,6 +37,11 @@ class SearchSpace:
     ep_overlap: tuple[bool, ...] = (False, True)
     pp: tuple[int, ...] | None = None  # None: every divisor of the device count
     ep: tuple[int, ...] | None = None  # None: every divisor of the routed-expert count (1 for a dense model)
+
+
+# Below this many positions per rank a context-parallel split only adds its gather (the activations of a sequence
+# this short fit beside tp and recompute); so 4K-sequence recipes search what they did, and 32K ones up to cp=8.
+CP_MIN_POSITIONS = 4096
 
 
 def divisors(n: int) -> np.ndarray:
@@ -50,21 +58,25 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     axes = [np.array(space.tp), pp_values, np.array(space.vpp), ep_values, np.array(space.etp),
             np.array(space.mbs), np.array([RECOMPUTE.index(r) for r in space.recompute]),
             np.array([EP_SCHEMES.index(e) for e in space.ep_scheme]), np.array([int(o) for o in space.ep_overlap])]
-    grids = np.meshgrid(*axes, indexing="ij", sparse=False)
-    tp, pp, vpp, ep, etp, mbs, rc, scheme, overlap = (g.ravel() for g in grids)
+    cp_values = np.array([c for c in space.cp if c > 1 and w.seq_length // c >= CP_MIN_POSITIONS], dtype=np.int64)
+    # cp > 1 is enumerated only over the pipeline depths it trains at (the raw product stays what it was at cp = 1)
+    cp_pp = pp_values if trainable_module.CONTEXT_PARALLEL_WITH_PIPELINE else pp_values[pp_values == 1]
+    blocks = [(axes, np.array([1] if 1 in space.cp else [], dtype=np.int64)), ([axes[0], cp_pp] + axes[2:], cp_values)]
+    tp, pp, vpp, ep, etp, mbs, rc, scheme, overlap, cp = (np.concatenate(parts) for parts in zip(*(
+        [g.ravel() for g in np.meshgrid(*block, cps, indexing="ij", sparse=False)] for block, cps in blocks)))
     raw = tp.size
-    dp = n // (tp * pp)  # cp is 1
-    ok = fills_world(dp, tp, 1, pp, n) & tp_within_node(tp, w.cluster.devices_per_node) & heads_split(s, tp)
+    dp = n // (tp * cp * pp)
+    ok = fills_world(dp, tp, cp, pp, n) & tp_within_node(tp, w.cluster.devices_per_node) & heads_split(s, tp)
     ok &= kv_heads_split(s, tp)
     dp = np.where(ok, dp, 1)
-    ok &= experts_fold_over_dense(dp, 1, tp, ep, etp) & experts_split(s, ep, etp)
+    ok &= experts_fold_over_dense(dp, cp, tp, ep, etp) & experts_split(s, ep, etp)
     ok &= etp <= tp  # the space searched: expert TP within the dense TP group
     ok &= global_batch_splits(w.global_batch, dp, mbs)
     m = w.global_batch // (dp * mbs)
     ok &= micro_batches_fill_stages(pp, m) & interleave_has_stages(pp, vpp) & interleave_fills_stages(pp, vpp, m)
     ok &= layers_fill_chunks(s, pp, vpp)
     # the default schedule of each layout (1f1b, interleaved); refine adds another only where the trainer runs it
-    ok &= trainable(s, w.seq_length, tp, pp, ep, etp, sp=tp > 1, ep_scheme=np.array(EP_SCHEMES)[scheme],
+    ok &= trainable(s, w.seq_length, tp, pp, ep, etp, cp, sp=tp > 1, ep_scheme=np.array(EP_SCHEMES)[scheme],
                     schedule=np.where(vpp > 1, "interleaved", "1f1b"))
     # duplicates: EP options that change nothing
     ok &= (ep > 1) | ((scheme == 0) & (overlap == 0))
@@ -72,7 +84,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> tuple[
     keep = np.flatnonzero(ok)
     lay = Layouts(tp=tp[keep], pp=pp[keep], vpp=vpp[keep], dp=dp[keep], ep=ep[keep], etp=etp[keep],
                   mbs=mbs[keep], m=m[keep], recompute=rc[keep], ep_scheme=scheme[keep], ep_overlap=overlap[keep],
-                  devices_per_node=np.full(keep.size, w.cluster.devices_per_node))
+                  devices_per_node=np.full(keep.size, w.cluster.devices_per_node), cp=cp[keep])
     return lay, raw
 
 

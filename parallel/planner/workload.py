@@ -59,7 +59,7 @@ class Workload:
 @dataclass
 class Layouts:
     """Candidate ParallelLayouts as a struct of arrays (one entry per layout), for the vectorised model: `row(i)`
-    is one as a ParallelLayout, `of(...)` the arrays of given ones. cp is 1; sp is on whenever tp > 1."""
+    is one as a ParallelLayout, `of(...)` the arrays of given ones. sp is on whenever tp > 1."""
     tp: np.ndarray
     pp: np.ndarray
     vpp: np.ndarray
@@ -72,6 +72,7 @@ class Layouts:
     ep_scheme: np.ndarray  # index into EP_SCHEMES
     ep_overlap: np.ndarray  # 0/1
     devices_per_node: np.ndarray
+    cp: np.ndarray = 1  # context parallelism: each rank a 1/cp share of every sequence's positions (parallel/cp)
 
     def __post_init__(self):
         n = max(np.size(getattr(self, f.name)) for f in fields(self))
@@ -90,7 +91,7 @@ class Layouts:
                               ep=int(self.ep[i]), etp=int(self.etp[i]), sp=tp > 1, micro_batch_num=int(self.m[i]),
                               devices_per_node=int(self.devices_per_node[i]), micro_batch_size=int(self.mbs[i]),
                               recompute=RECOMPUTE[self.recompute[i]], ep_scheme=EP_SCHEMES[self.ep_scheme[i]],
-                              ep_overlap=bool(self.ep_overlap[i]))
+                              ep_overlap=bool(self.ep_overlap[i]), cp=int(self.cp[i]))
 
     @classmethod
     def of(cls, *layouts: ParallelLayout) -> "Layouts":
@@ -100,4 +101,4 @@ class Layouts:
                    recompute=[RECOMPUTE.index(x.recompute) for x in layouts],
                    ep_scheme=[EP_SCHEMES.index(x.ep_scheme) for x in layouts],
                    ep_overlap=[int(x.ep_overlap) for x in layouts],
-                   devices_per_node=[x.devices_per_node for x in layouts])
+                   devices_per_node=[x.devices_per_node for x in layouts], cp=[x.cp for x in layouts])

@@ -34,10 +34,13 @@ ROUTING_STATS = 5   # after the expert load in a layer's routing statistics: the
 
 class MoELayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, grouped_matmul, layer: int = 0, ep: ExpertParallel = ExpertParallel(),
-                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp", device_target: str = "CPU"):
+                 tp: TensorParallel = TensorParallel(), seed: int = 0, name: str = "mlp", device_target: str = "CPU",
+                 sequence_group: TensorParallel | None = None):
+        """`sequence_group`: the ranks that share a sequence's positions, whose statistics the router's balance
+        losses sum (the default: `tp`; under context parallelism tp x cp, parallel.cp.ContextParallel.tokens)."""
         super().__init__()
         cdt = ms_dtype(cfg.compute_dtype)
-        self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), tp)
+        self.gate = TopKRouter(cfg, ep.ep, weight_seed(seed, f"{name}.gate"), sequence_group or tp)
         # with spare slots the dispatcher sends copies to global slots (ep x (E/ep + spare)), the labels mapped
         # by `slots`
         self.slots = ExpertSlots(cfg.n_routed_experts, ep.ep, ep.spare_slots) if ep.spare_slots else None

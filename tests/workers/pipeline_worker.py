@@ -1,6 +1,7 @@
 """Run under msrun by tests/test_pipeline_executor.py: a tiny MLP (4 layers of Dense + tanh, seeded weights) cut
 into pipeline chunks, run by `parallel.pipeline.executor` on pp = world ranks, 1F1B (2 chunks of 2 layers) and
-interleaved 1F1B (v=2: 4 chunks of 1 layer), m=4 micro-batches, in graph mode. Every rank also runs the whole
+interleaved 1F1B and DualPipeV (v=2: 4 chunks of 1 layer; DualPipeV's V puts chunks 0 and 3 on stage 0),
+m=4 micro-batches, in graph mode (the executor runs its schedule in PyNative over compiled chunks). Every rank also runs the whole
 model in one process on the same micro-batches and compares the losses (on the last chunk's stage) and the
 gradients of its own chunks. Writes `<out>/rank_<r>.json`."""
 from __future__ import annotations
@@ -151,7 +152,7 @@ def main(out: str) -> None:
     microbatches = [(rng.normal(size=(B, H)).astype(np.float32), rng.normal(size=(B, H)).astype(np.float32))
                     for _ in range(M)]
     results = []
-    for name, v in (("1f1b", 1), ("interleaved", 2), ("gpipe", 1)):
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("gpipe", 1), ("dualpipev", 2)):
         results.append(run_case(rank, world, name, v, microbatches))
         r = results[-1]
         print(f"rank {rank}: {name}: worst {max(r['errors'].values()):.2e} peak {r['peak_in_flight']}/"
