@@ -45,8 +45,8 @@ class PrepareGradients(nn.Cell):
     its share: `PARTIAL`); a routed expert's already holds its EP group's tokens (the all-to-all's backward brought
     them) and is summed over the expert-data-parallel group, the ranks holding the same experts. All are divided
     by dp, as the loss is each data-parallel rank's mean. The norm adds the squares of the tensor-parallel slices
-    over the tp group and of the expert shards over the EP group, so it is the norm of the whole model's
-    gradient."""
+    over the tp group and of the expert shards over the expert group (ep x etp), so it is the norm of the whole
+    model's gradient."""
 
     def __init__(self, weights: ParameterTuple, kinds: tuple, dp: int, clip: float, comm: "GradientGroups",
                  counted: tuple | None = None, pp=None, device_target: str = "CPU"):
@@ -66,7 +66,7 @@ class PrepareGradients(nn.Cell):
         # Sums over ranks call the transports, not the collectives' Cells: nothing here is differentiated, and each
         # Cell call is a graph of its own to compile per gradient shape (with the loop below, 4 s of small's first
         # step). Groups of one rank are left out when the graph is traced.
-        self.dense, self.tp, self.edp, self.ep = comm.dp, comm.tp, comm.edp, comm.ep
+        self.dense, self.tp, self.edp, self.expert = comm.dp, comm.tp, comm.edp, comm.expert
         self.summed = any(t.group.size > 1 for t in (comm.dp, comm.tp, comm.edp))
         self.stages = pp
         self.dp = dp
@@ -91,7 +91,7 @@ class PrepareGradients(nn.Cell):
                 reduced = reduced + (g,)
         each = self.square_sums(reduced)          # one kernel on CPU instead of about five per gradient
         squares = ((each * self.dense_mask).sum() + self.tp.all_reduce((each * self.tp_mask).sum())
-                   + self.ep.all_reduce((each * self.expert_mask).sum()))
+                   + self.expert.all_reduce((each * self.expert_mask).sum()))
         if self.stages is not None:
             squares = self.stages.all_reduce(squares)
         factor, norm, finite = clip_factor(squares, grad_scale, self.dp, self.clip)
@@ -102,27 +102,31 @@ class PrepareGradients(nn.Cell):
 class GradientGroups:
     """The transports gradients are reduced on: data-parallel (data x context: a context-parallel rank's gradient is
     that of its part of the sequence, parallel/cp), expert-data-parallel, expert-parallel and tensor-parallel
-    groups."""
+    groups; the expert group (ep x etp ranks: every expert shard once, the norm's sum; the EP group's transport
+    where etp = 1) and the expert-tensor-parallel group (tensor dumps put its shards together)."""
     dp: object
     edp: object
     ep: object
     tp: object
+    expert: object
+    etp: object
 
     def transports(self) -> dict:
         """By the names the distributed optimizer's routes use (telechat_moe/gradients.py: gradient_route)."""
-        return {"dp": self.dp, "edp": self.edp, "ep": self.ep, "tp": self.tp}
+        return {"dp": self.dp, "edp": self.edp, "ep": self.ep, "tp": self.tp, "expert": self.expert}
 
     @classmethod
     def of(cls, layout, rank: int, device_target: str) -> "GradientGroups":
         groups = ProcessGroups(layout, rank)
-        return cls(*(transport_for(groups.axis(*a), device_target)
-                     for a in ((Axis.DP, Axis.CP), (Axis.EDP,), (Axis.EP,), (Axis.TP,))))
+        dp, edp, ep, tp, etp = (transport_for(groups.axis(*a), device_target)
+                                for a in ((Axis.DP, Axis.CP), (Axis.EDP,), (Axis.EP,), (Axis.TP,), (Axis.ETP,)))
+        return cls(dp, edp, ep, tp, ep if layout.etp == 1 else transport_for(groups.expert(), device_target), etp)
 
 
 def gradient_route(kind: int, weight_decay: float) -> Route:
     """The distributed optimizer's route of a gradient of `kind`: PrepareGradients' reductions, per bucket."""
     if kind == EXPERT:
-        return Route("edp", norm_sum="ep", weight_decay=weight_decay)
+        return Route("edp", norm_sum="expert", weight_decay=weight_decay)
     if kind == PARTIAL:
         return Route("dp", pre_sum="tp", weight_decay=weight_decay)
     return Route("dp", norm_sum="tp" if kind == TP_SHARD else None, weight_decay=weight_decay)

@@ -262,7 +262,8 @@ def check_trainable(r: Recipe, processes: int) -> None:
     Checked before MindSpore initialises communication, whose init() otherwise fails with a traceback or waits for
     peers that were never started."""
     p, m = r.parallel_config, r.model
-    schedule = "gpipe" if p.pipeline_scheduler == "gpipe" else "interleaved" if p.pp_interleave_num > 1 else "1f1b"
+    one_f_one_b = "interleaved" if p.pp_interleave_num > 1 else "1f1b"
+    schedule = one_f_one_b if p.pipeline_scheduler == "1f1b" else p.pipeline_scheduler
     dispatcher = {"alltoall": "flat"}.get(m.moe_token_dispatcher_type, m.moe_token_dispatcher_type)
     lay = r.layout
     problem = refusal(m.to_model_shape(), m.seq_length, lay.tp, lay.pp, lay.ep, lay.etp, lay.cp, lay.sp, dispatcher,

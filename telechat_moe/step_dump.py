@@ -13,6 +13,7 @@ from mindspore import Tensor, nn, ops
 
 from parallel.comm import ProcessGroups, transport_for
 from parallel.layout import Axis
+from parallel.tp.expert import packed_whole
 from telechat_moe.batches import batch_tensors
 from telechat_moe.gradients import is_routed_expert
 from telechat_moe.model import TeleChatMoE
@@ -168,6 +169,10 @@ class StepDumps:
         value = tensor.asnumpy() if isinstance(tensor, Tensor) else tensor
         if axis is not None:
             return gather_along(self.groups.tp, value, axis)
-        if self.ep == 1 or not is_routed_expert(name):
+        etp = self.r.layout.etp
+        if not is_routed_expert(name) or self.ep == etp == 1:
             return tensor
-        return gather_along(self.groups.ep, value, 0)
+        if etp > 1:     # each expert's columns of gate and up (w1, packed) or rows of down (w2) over the etp group
+            value = packed_whole(gather_along(self.groups.etp, value, -1), etp) if name.endswith("w1") \
+                else gather_along(self.groups.etp, value, 1)
+        return value if self.ep == 1 else gather_along(self.groups.ep, value, 0)

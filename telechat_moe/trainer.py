@@ -32,6 +32,7 @@ from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry p
 from telechat_moe.evaluation import Evaluate, held_out_share
 from telechat_moe.expert_monitor import PlacementMonitor, traffic_scalars
 from telechat_moe.expert_placement import ExpertMigrator
+from telechat_moe.expert_tp_checkpoint import split_marker, whole_over_etp, whole_placeholders
 from telechat_moe.dry_run import static_memory
 from telechat_moe.gradients import GradientGroups, LossScaler, Update, is_routed_expert
 from telechat_moe.metrics import StepLogger, Timer, info
@@ -191,10 +192,17 @@ class Trainer:
             axis = self._tp_axes.get(p.name.split(".", 1)[1] if p.name.startswith("adam_") else p.name)
             if axis is not None:
                 out[p.name] = Shard(axis, self.tp.index * p.shape[axis], self.tp.tp * p.shape[axis])
+            elif self.ep.tensor.etp > 1 and is_routed_expert(p.name):   # saved whole over etp (_etp_whole)
+                out[p.name] = split_marker(p.name, p.shape, self.ep.tensor)
             elif self.ep.ep > 1 and is_routed_expert(p.name):
                 e = self.r.model.n_routed_experts
                 out[p.name] = Shard(0, self.ep.experts(e)[0], e)
         return out
+
+    def _expert_shard(self, name: str) -> Shard | None:
+        """A routed expert's whole-FFN entry: its experts along dim 0 over the EP group (None: all of them here)."""
+        e = self.r.model.n_routed_experts
+        return Shard(0, self.ep.experts(e)[0], e) if self.ep.ep > 1 else None
 
     @staticmethod
     def _with(params: list, shards: dict, more: tuple) -> tuple[list, dict]:
@@ -210,6 +218,8 @@ class Trainer:
         params, shards = self._all_params(), self._shards()
         if self.sliced_state is not None:       # this rank's slices of the optimizer state
             params, shards = self._with(params, shards, self.sliced_state.tensors())
+        if self.ep.tensor.etp > 1:              # routed experts whole over etp (telechat_moe/expert_tp_checkpoint.py)
+            params, shards = whole_over_etp(params, shards, self.ep.tensor, self._expert_shard)
         path = save_checkpoint(self.out / "checkpoints", self.rank, self.step, params, state,
                                self.r.training.keep_checkpoints, shards=shards, world=self.world)
         info(f"[ckpt] saved {path}", self.main)
@@ -224,7 +234,11 @@ class Trainer:
         params, shards = self._all_params(), self._shards()
         if self.sliced_state is not None:       # this rank's slices, cut from whatever layout saved them
             params, shards = self._with(params, shards, self.sliced_state.placeholders())
+        if self.ep.tensor.etp > 1:
+            params, shards, restore = whole_placeholders(params, shards, self.ep.tensor, self._expert_shard)
         state = load_checkpoint(path, params, TRAINER_STATE, shards=shards)
+        if self.ep.tensor.etp > 1:
+            restore()
         if self.sliced_state is not None:
             self.sliced_state.apply()
         self.step = int(state["step"])

@@ -1,5 +1,6 @@
-"""Expert parallelism across real processes (msrun, CPU transport): one MoE layer split over EP ranks equals the
-one-process layer, output and every gradient, for the flat and the hierarchical all-to-all, top-2 and top-4, on
+"""Expert parallelism across real processes (msrun, CPU transport): one MoE layer split over EP ranks (and each
+expert's FFN over expert-tensor-parallel ranks inside an EP group) equals the one-process layer,
+output and every gradient, for the flat and the hierarchical all-to-all, top-2 and top-4, on
 skewed routing (an expert every token picks, a whole rank's experts that get no token), sliced or not; and with a
 capacity factor (probs and position drop policies) against the one-process layer dropping each rank's tokens alike."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ def test_moe_layer_over_expert_parallel_ranks_equals_one_process(tmp_path, world
     if world == 4:      # 2 nodes x 2 devices; two EP groups of 2 inside a DP of 4; every collective Cell
         assert {"hierarchical top-2 chunks=1 skewed ep=4", "alltoall top-4 chunks=1 skewed ep=2",
                 "alltoall top-4 chunks=1 skewed ep=4 capacity=1.0 probs",
-                "hierarchical top-4 chunks=2 skewed ep=4 capacity=1.0 position", "collectives"} <= cases
+                "hierarchical top-4 chunks=2 skewed ep=4 capacity=1.0 position", "collectives",
+                "alltoall top-4 chunks=1 skewed ep=2 etp=2"} <= cases
         collectives = [next(c for c in results if c["case"] == "collectives") for results in ranks]
         assert all(len(c["errors"]) == 48 + (rank in (1, 2)) for rank, c in enumerate(collectives))
     for rank, results in enumerate(ranks):

@@ -126,9 +126,9 @@ DEEPSEEK = ["--recipe", "1t", "--model", "deepseek-v3", "--devices", "2048"]
     (DEEPSEEK + ["--write", "out.yaml"], "--write: a recipe inheriting --recipe trains the recipe's model"),
     (DEEPSEEK + ["--global-batch", "4096", "--evaluate", "tp=1,pp=16,vpp=2,ep=64,schedule=dualpipev",
                  "--export-mindformers", "out.yaml"], "MindFormers has no DualPipeV scheduler"),
-    (["--recipe", "1t", "--devices", "4096", "--evaluate", "tp=4,pp=16,vpp=2,ep=4,m=32,schedule=dualpipev",
-      "--write", "out.yaml"], "--write: the trainer does not run this plan: parallel_config.pipeline_scheduler: "
-                              "dualpipev is not trained yet"),
+    (["--recipe", "1t", "--devices", "4096", "--evaluate", "tp=4,pp=16,vpp=2,ep=1,etp=2,m=32", "--write",
+      "out.yaml"], "--write: the trainer does not run this plan: parallel_config.expert_model_parallel: 2 needs "
+                   "expert_parallel > 1"),
     (["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048", "--evaluate", "tp=8,pp=2,ep=8"],
      "a dense model has no routed experts"),
     (["--recipe", "1t", "--model", "telechat3-36b", "--devices", "2048", "--evaluate", "tp=8,pp=2,etp=2"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from parallel.layout import Axis
+from parallel.planner import trainable
 from parallel.planner.model_shape import parameter_breakdown
 from telechat_moe.errors import RecipeError
 from telechat_moe.recipe import find_recipe, load_recipe
@@ -92,7 +93,7 @@ MALFORMED_SETS = [
     (["model.moe_expert_capacity_factor=0"], "model.moe_expert_capacity_factor", "positive number or null"),
     (["model.moe_expert_capacity_factor=lots"], "model.moe_expert_capacity_factor", "positive number or null"),
     (["model.moe_token_drop_policy=random"], "model.moe_token_drop_policy", "probs, position"),
-    (["parallel_config.pipeline_scheduler=zero_bubble"], "parallel_config.pipeline_scheduler", "1f1b or gpipe"),
+    (["parallel_config.pipeline_scheduler=zero_bubble"], "parallel_config.pipeline_scheduler", "1f1b, gpipe or dualpipev"),
     (["expert_placement.interval=-1"], "expert_placement.interval", "0 or more"),
     (["expert_placement.window=0"], "expert_placement.window", "at least 1"),
     (["expert_placement.threshold=-0.5"], "expert_placement.threshold", ">= 0"),
@@ -226,9 +227,11 @@ def test_the_same_sizes_train_without_tensor_parallelism():
         check_trainable(_set(load_recipe("tiny", plain), **model), processes=1)
 
 
-@pytest.mark.parametrize("sets", [["parallel_config.expert_model_parallel=2", "parallel_config.data_parallel=2"]],
-                         ids=["expert_model_parallel"])
-def test_layouts_not_trained_yet_are_one_line(sets):
+@pytest.mark.parametrize("sets", [["parallel_config.expert_model_parallel=2", "parallel_config.expert_parallel=2",
+                                   "parallel_config.data_parallel=4"]], ids=["expert_model_parallel"])
+def test_layouts_not_trained_yet_are_one_line(sets, monkeypatch):
+    """An engine whose switch is off (parallel/planner/trainable.py) is refused in one line naming its key."""
+    monkeypatch.setattr(trainable, "EXPERT_TENSOR_PARALLEL_TRAINS", False)
     r = load_recipe("tiny", sets)
     key = sets[0].split("=")[0]
     with pytest.raises(RecipeError, match=rf"^{key}: 2 is not trained yet \(data, tensor, sequence, expert and "

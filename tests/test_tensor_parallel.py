@@ -5,7 +5,7 @@ without sequence parallelism (and the column layer's gathered output), the colum
 vocab-parallel embedding, the vocab-parallel cross-entropy, and embedding->MLP->head->cross-entropy; and the seeded
 initialisation keeps each rank's slice of the one full matrix. And the model trains over them: tiny at tp=2 x dp=2
 with expert parallelism folded over the tensor ranks, then its checkpoint resumed at tp=1 x ep=1 and at tp=4 with
-sequence parallelism and ep=4, each equal to the one-process run."""
+sequence parallelism, ep=2 and expert tensor parallelism etp=2, each equal to the one-process run."""
 from __future__ import annotations
 
 import re
@@ -63,8 +63,8 @@ def test_tensor_and_expert_parallel_training_matches_one_process_and_reshards(tm
     precision.compare finds no divergence in their tensor dumps (activations of the global batch, every weight's
     gradient and Adam moments put back together); each rank's checkpoint holds its slices at their offsets and as
     many parameters as --dry-run states; the hierarchical scheme's logged inter-node traffic is below the flat one's.
-    The checkpoint then resumes at tp=1 x ep=1 (one process) and at tp=4 with sequence parallelism x ep=2 (4
-    processes), both continuing the one-process losses at step 3. (The 30-step runs in the README add tp=2 x ep=2
+    The checkpoint then resumes at tp=1 x ep=1 (one process) and at tp=4 with sequence parallelism x ep=2 x etp=2
+    (4 processes, each expert's FFN split over 2 ranks), both continuing the one-process losses at step 3. (The 30-step runs in the README add tp=2 x ep=2
     resumed at tp=1 and tp=4.)"""
     one, tp2, tp1, tp4 = one_process_tiny, tmp_path / "tp2", tmp_path / "tp1", tmp_path / "tp4"
     common = [*SHORT, *PARALLEL_COMMON, f"data.tokenizer={one / 'tokenizer.model'}", NO_EVAL]
@@ -123,6 +123,6 @@ def test_tensor_and_expert_parallel_training_matches_one_process_and_reshards(tm
 
     shutil.copytree(tp2, tp4)
     msrun_train("tp4", "training.train_steps=3", "parallel_config.model_parallel=4",
-                "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=2", f"output_dir={tp4}",
-                resume=True)
-    assert_losses_match(one, tp4, (3,), "resumed at tp=4 with sequence parallelism x ep=2")
+                "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=2",
+                "parallel_config.expert_model_parallel=2", f"output_dir={tp4}", resume=True)
+    assert_losses_match(one, tp4, (3,), "resumed at tp=4 with sequence parallelism x ep=2 x etp=2")

@@ -41,13 +41,14 @@ def as_recipe(tmp_path, name: str, candidate, w) -> object:
 
 
 def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
-    """The whole vectorised space (before ILP balancing) is filtered: each of a spread of its layouts, written as a
-    recipe, stops only at the process count; with etp > 1 not trained yet none of them has it."""
+    """The whole vectorised space (before ILP balancing) is filtered: each of a spread of its layouts (expert tensor
+    parallelism among them), written as a recipe, stops only at the process count."""
     recipe = load_recipe("1t")
     w = recipe_workload(recipe, "ascend910b", 4096)
     lay, _ = enumerate_layouts(w)
-    assert len(lay) > 1000 and set(lay.etp) == {1}
-    for i in np.linspace(0, len(lay) - 1, 12).astype(int):
+    assert len(lay) > 1000 and set(lay.etp) == {1, 2, 4, 8}
+    wide = np.flatnonzero(lay.etp > 1)
+    for i in [*np.linspace(0, len(lay) - 1, 8).astype(int), *wide[::len(wide) // 4][:4]]:
         row = lay.row(int(i))
         body = {"model": {"moe_token_dispatcher_type": "hierarchical" if row.ep_scheme == "hierarchical" else
                           "alltoall", "moe_comm_chunks": 2 if row.ep_overlap else 1},
@@ -63,28 +64,34 @@ def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
 
 
 def test_each_switch_is_one_line(monkeypatch):
-    """Expert tensor parallelism, context parallelism and DualPipeV become trainable by their switch alone (context
-    parallelism's is on: it trains beside dp, tp and ep, not yet under a pipeline)."""
+    """Expert tensor parallelism, context parallelism (and it under a pipeline) and DualPipeV are trainable by their
+    switch alone (all on but context parallelism under a pipeline)."""
     s = load_recipe("1t").model.to_model_shape()
+    w = Workload(s, load_cluster("ascend910b"), devices=4096, seq_length=8192, global_batch=2048)
     etp = dict(tp=4, pp=16, ep=4, etp=4)
-    assert "expert_model_parallel: 4 is not trained yet" in trainable.refusal(s, 8192, **etp)
+    assert trainable.refusal(s, 8192, **etp) is None
     assert trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2) is None
     assert "context_parallel: 2 with pipeline_stage=16 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1,
                                                                                                 cp=2)
-    assert "dualpipev is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev")
-    monkeypatch.setattr(trainable, "EXPERT_TENSOR_PARALLEL_TRAINS", True)
-    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", True)
-    monkeypatch.setattr(trainable, "TRAINED_SCHEDULES", trainable.TRAINED_SCHEDULES + ("dualpipev",))
-    assert trainable.refusal(s, 8192, **etp) is None
     assert trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev") is None
-    w = Workload(s, load_cluster("ascend910b"), devices=4096, seq_length=8192, global_batch=2048)
     assert set(enumerate_layouts(w)[0].etp) == {1, 2, 4, 8}
+    monkeypatch.setattr(trainable, "EXPERT_TENSOR_PARALLEL_TRAINS", False)
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", False)
+    monkeypatch.setattr(trainable, "TRAINED_SCHEDULES", tuple(x for x in trainable.TRAINED_SCHEDULES
+                                                              if x != "dualpipev"))
+    assert "expert_model_parallel: 4 is not trained yet" in trainable.refusal(s, 8192, **etp)
+    assert "context_parallel: 2 is not trained yet" in trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2)
+    assert "dualpipev is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev")
+    assert set(enumerate_layouts(w)[0].etp) == {1}
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_WITH_PIPELINE", True)
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", True)
+    assert trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2) is None
 
 
 def test_vectorised_and_one_layout_agree():
     """trainable() over arrays is refusal() of each layout."""
     s = load_recipe("tiny", ["model.num_attention_heads=6", "model.intermediate_size=774"]).model.to_model_shape()
-    tp, ep, etp = np.array([1, 2, 3, 4, 2, 1]), np.array([1, 2, 1, 4, 2, 2]), np.array([1, 1, 1, 1, 2, 1])
+    tp, ep, etp = np.array([1, 2, 3, 4, 2, 1]), np.array([1, 2, 1, 4, 2, 2]), np.array([1, 1, 1, 1, 5, 1])
     scheme = np.array(["flat", "hierarchical", "flat", "flat", "flat", "node_dedup"])
     many = trainable.trainable(s, 96, tp, 1, ep, etp, sp=tp > 1, ep_scheme=scheme)
     one = [trainable.refusal(s, 96, int(a), 1, int(b), int(c), sp=a > 1, ep_scheme=str(d)) is None
@@ -108,7 +115,8 @@ def test_the_planners_top_layouts_and_its_written_recipe_train(tmp_path):
         assert r.model.moe_comm_chunks == (2 if c.layout.ep_overlap else 1)
         assert r.model.moe_token_dispatcher_type == ("hierarchical" if c.layout.ep_scheme == "hierarchical"
                                                      else "alltoall")
-        assert r.parallel_config.pipeline_scheduler == "1f1b" and c.schedule in ("1f1b", "interleaved")
+        assert c.schedule in trainable.TRAINED_SCHEDULES
+        assert r.parallel_config.pipeline_scheduler == ("1f1b" if c.schedule == "interleaved" else c.schedule)
         priced = [sum(c.assignment.recompute_per_stage(m)) for m in range(3)]
         written = {"none": 0, "selective": 1, "full": 2}[r.recompute_config.mode]
         assert written == max(m for m, n in enumerate(priced) if n or m == 0)

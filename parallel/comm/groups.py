@@ -75,6 +75,16 @@ class ProcessGroups:
             more = ()       # the `more` axes of degree 1: the one axis's group, named and created once
         return self._group("_".join(a.value for a in (axis,) + more), ranks)
 
+    def expert(self) -> Group:
+        """The ep x etp ranks of this rank's expert group, which together hold every routed expert of its stage
+        once (the expert shards' sums, such as the gradient norm's); the EP group itself where etp = 1."""
+        if self.layout.etp == 1:
+            return self.axis(Axis.EP)
+        c = self.layout.coords(self.rank)
+        return self._group("expert", [r for r in range(self.layout.world_size) if
+                                      (self.layout.coords(r)[Axis.EDP], self.layout.coords(r)[Axis.PP]) ==
+                                      (c[Axis.EDP], c[Axis.PP])])
+
     def ep_in_node(self) -> Group:
         """The EP ranks that share this rank's node: the second level of a hierarchical all-to-all."""
         node = self.layout.node_of(self.rank)

@@ -18,8 +18,8 @@ import numpy as np
 # ---- what is trained; each a one-line switch for the engine that lands it ------------------------------------
 CONTEXT_PARALLEL_TRAINS = True            # parallel/cp (context_parallel > 1)
 CONTEXT_PARALLEL_WITH_PIPELINE = False    # cp > 1 under pipeline_stage > 1 (a cp=2 x pp=2 run waited in step 1)
-EXPERT_TENSOR_PARALLEL_TRAINS = False     # the expert FFN split over expert_model_parallel ranks
-TRAINED_SCHEDULES = ("1f1b", "interleaved", "gpipe")   # the pipeline schedules telechat_moe/pipeline_step.py runs
+EXPERT_TENSOR_PARALLEL_TRAINS = True      # the expert FFN split over expert_model_parallel ranks
+TRAINED_SCHEDULES = ("1f1b", "interleaved", "gpipe", "dualpipev")   # what telechat_moe/pipeline_step.py runs
 # the expert exchanges the trainer builds (telechat_moe/moe/dispatch.py), in the planner's names; `local` (every
 # expert on every rank) is the recipe's dispatcher without an exchange
 TRAINED_EP_SCHEMES = ("flat", "hierarchical")
@@ -61,6 +61,9 @@ def rules(shape, seq_length, tp, pp, ep, etp, cp=1, sp=True, ep_scheme="flat", s
              NOT_TRAINED.replace("{key}", "parallel_config.expert_model_parallel").replace("{value}", "{etp}")),
         Rule(s.moe_intermediate % etp == 0, "parallel_config.expert_model_parallel: the expert FFN size "
              "moe_intermediate_size={moe} is not divisible by expert_model_parallel={etp}"),
+        # the etp ranks gather the rows their EP exchanges brought; the local dispatcher's (no exchange) is not built
+        Rule((etp == 1) | (ep > 1), "parallel_config.expert_model_parallel: {etp} needs expert_parallel > 1 (expert "
+             "tensor parallelism splits the experts of an EP group; without expert parallelism it is not trained)"),
         Rule(one | (s.num_heads % tp == 0),
              "model.num_attention_heads: {heads} heads are not divisible by model_parallel={tp}"),
         Rule(one | (seq_length % tp == 0),

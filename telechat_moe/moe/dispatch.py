@@ -35,6 +35,7 @@ from parallel.comm import AllToAllV, ProcessGroups, transport_for
 from parallel.comm.transport import row_index
 from parallel.ep.permute import expert_group_sizes, key_places, regroup, segment_sum, stable_order
 from parallel.layout import Axis, ParallelLayout
+from parallel.tp.expert import ExpertTensorParallel
 
 
 class LocalDispatcher(nn.Cell):
@@ -193,20 +194,22 @@ class ExpertParallel:
     in_node: object = None         # hierarchical: the EP ranks of this node
     across_nodes: object = None    # hierarchical: this rank's counterparts in the other nodes
     spare_slots: int = 0
+    tensor: ExpertTensorParallel = ExpertTensorParallel()    # expert tensor parallelism: each expert's FFN split
 
     @classmethod
     def of(cls, layout: ParallelLayout, rank: int, kind: str, device_target: str,
            spare_slots: int = 0) -> "ExpertParallel":
+        etp = ExpertTensorParallel.of(layout, rank, device_target)
         if layout.ep == 1:
-            return cls()
+            return cls(tensor=etp)
         groups = ProcessGroups(layout, rank)
         ep_index = layout.coords(rank)[Axis.EP]
         per_node = ProcessGroups(layout, rank, create=False).ep_in_node().size
         if kind == "hierarchical":
             return cls(layout.ep, ep_index, kind, per_node, None, transport_for(groups.ep_in_node(), device_target),
-                       transport_for(groups.ep_across_nodes(), device_target))
+                       transport_for(groups.ep_across_nodes(), device_target), tensor=etp)
         return cls(layout.ep, ep_index, kind, per_node, transport_for(groups.axis(Axis.EP), device_target),
-                   spare_slots=spare_slots)
+                   spare_slots=spare_slots, tensor=etp)
 
     def experts(self, num_experts: int) -> tuple[int, int]:
         """The routed experts [first, last) this rank holds."""

@@ -8,6 +8,11 @@ replicas of hot experts (telechat_moe/moe/replicas.py), zero while empty; they f
 matmul. The kernels are injected (grouped matmul: CPU hand-written kernel or Ascend GroupedMatmul, both dropless
 with the same contract; SwiGLU over the packed gate|up rows: CPU kernel or MindSpore's operators), so fused or
 communication-overlapped expert kernels can replace them without touching routing or dispatch.
+
+Under expert tensor parallelism (`etp`, parallel/tp/expert.py) a rank holds its I/etp columns of every held expert's
+gate and up (w1 [E, h, 2*I/etp], its gate columns then its up columns) and the same rows of down (w2 [E, I/etp, h]),
+sliced from the same per-expert draws, so any etp computes the function etp=1 computes; the rows its etp peers
+received are gathered before the grouped matmuls and the partial outputs summed back after them.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from dvm_fusion.rowwise import swiglu_packed_reference
+from parallel.tp.expert import ExpertRows, ExpertTensorParallel, packed_columns
+from parallel.tp.layers import shard_range
 
 
 def expert_init(seed: int, layer: int, first: int, last: int, shape: tuple, std: float, which: int) -> np.ndarray:
@@ -26,27 +33,35 @@ def expert_init(seed: int, layer: int, first: int, last: int, shape: tuple, std:
 
 class GroupedExperts(nn.Cell):
     def __init__(self, experts: tuple[int, int], hidden: int, intermediate: int, init_std: float, grouped_matmul,
-                 compute_dtype=ms.float32, layer: int = 0, spare: int = 0, swiglu=swiglu_packed_reference):
+                 compute_dtype=ms.float32, layer: int = 0, spare: int = 0, swiglu=swiglu_packed_reference,
+                 etp: ExpertTensorParallel = ExpertTensorParallel()):
         super().__init__()
         first, last = experts
         seed = ms.get_seed() or 0
-        self.intermediate = intermediate
-        self.w1 = Parameter(Tensor(expert_init(seed, layer, first, last, (hidden, 2 * intermediate), init_std, 1)),
-                            name="w1")
-        self.w2 = Parameter(Tensor(expert_init(seed, layer, first, last, (intermediate, hidden), init_std, 2)),
-                            name="w2")
+        begin, end = shard_range(intermediate, etp.etp, etp.index, "moe_intermediate_size")
+        self.intermediate = end - begin
+        w1 = expert_init(seed, layer, first, last, (hidden, 2 * intermediate), init_std, 1)
+        w2 = expert_init(seed, layer, first, last, (intermediate, hidden), init_std, 2)
+        self.w1 = Parameter(Tensor(packed_columns(w1, etp.etp, etp.index)), name="w1")
+        self.w2 = Parameter(Tensor(np.ascontiguousarray(w2[:, begin:end])), name="w2")
         self.spare = spare
         if spare:
-            self.w1_spare = Parameter(Tensor(np.zeros((spare, hidden, 2 * intermediate), np.float32)),
+            self.w1_spare = Parameter(Tensor(np.zeros((spare, hidden, 2 * self.intermediate), np.float32)),
                                       name="w1_spare")
-            self.w2_spare = Parameter(Tensor(np.zeros((spare, intermediate, hidden), np.float32)), name="w2_spare")
+            self.w2_spare = Parameter(Tensor(np.zeros((spare, self.intermediate, hidden), np.float32)),
+                                      name="w2_spare")
         self.grouped_matmul, self.swiglu = grouped_matmul, swiglu
         self.compute_dtype = compute_dtype
+        self.rows = ExpertRows(etp, last - first + spare) if etp.etp > 1 else None
 
     def construct(self, tokens, group_sizes):
         cdt = self.compute_dtype
         w1, w2 = self.w1, self.w2
         if self.spare:
             w1, w2 = ops.concat((w1, self.w1_spare), 0), ops.concat((w2, self.w2_spare), 0)
-        gate_up = self.grouped_matmul(tokens.astype(cdt), w1.astype(cdt), group_sizes)
-        return self.grouped_matmul(self.swiglu(gate_up), w2.astype(cdt), group_sizes)
+        if self.rows is None:
+            gate_up = self.grouped_matmul(tokens.astype(cdt), w1.astype(cdt), group_sizes)
+            return self.grouped_matmul(self.swiglu(gate_up), w2.astype(cdt), group_sizes)
+        tokens, sizes, state = self.rows.gather(tokens.astype(cdt), group_sizes)
+        gate_up = self.grouped_matmul(tokens, w1.astype(cdt), sizes)
+        return self.rows.scatter(self.grouped_matmul(self.swiglu(gate_up), w2.astype(cdt), sizes), state)

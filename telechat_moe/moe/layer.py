@@ -51,7 +51,7 @@ class MoELayer(nn.Cell):
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.experts = GroupedExperts(ep.experts(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.initializer_range, grouped_matmul, cdt, layer, ep.spare_slots,
-                                      swiglu_packed_for(device_target))
+                                      swiglu_packed_for(device_target), ep.tensor)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts,
                                      cfg.initializer_range, cdt, seed, f"{name}.shared_experts", tp, device_target)
         # the rank's token share under tp without sequence parallelism: split off, and the outputs gathered back

@@ -1,5 +1,5 @@
-"""Run under msrun by tests/test_expert_parallel.py: one MoE layer split over expert-parallel ranks against the
-same layer in one process, in graph mode. Every rank builds the one-process layer too (on the whole batch) and
+"""Run under msrun by tests/test_expert_parallel.py: one MoE layer split over expert-parallel ranks (and each expert's
+FFN over expert-tensor-parallel ranks) against the same layer in one process, in graph mode. Every rank builds the one-process layer too (on the whole batch) and
 compares its own rows and its own experts with it. Writes `<out>/rank_<r>.json`."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from parallel.layout import Axis, ParallelLayout
 from precision.tolerance import chain_tolerance, relative_error
 from telechat_moe.config import ModelConfig
 from telechat_moe.moe.dispatch import ExpertParallel
+from parallel.tp.expert import packed_columns
 from telechat_moe.moe.layer import MoELayer
 from tests.workers.collectives import check_collectives
 
@@ -60,6 +61,18 @@ def skewed_bias(kind: str) -> np.ndarray:
     return bias
 
 
+def expert_shard(name: str, value: np.ndarray, first: int, last: int, etp) -> np.ndarray:
+    """This rank's share of a one-process routed-expert weight [E, ...]: its experts, and under expert tensor
+    parallelism its columns of w1 (gate and up) or rows of w2."""
+    value = value[first:last]
+    if etp.etp == 1:
+        return value
+    if name.endswith("w1"):
+        return packed_columns(value, etp.etp, etp.index)
+    n = value.shape[1] // etp.etp
+    return value[:, etp.index * n:(etp.index + 1) * n]
+
+
 def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all, capacity=None):
     """`capacity`: (factor, drop policy). Each rank then drops its own tokens' copies to capacity, so the reference
     is the one-process layer on this rank's rows (dropping alike), its expert gradients summed over all ranks."""
@@ -73,11 +86,12 @@ def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all, capa
     ep = ExpertParallel.of(layout, rank, kind, "CPU")
     par = MoELayer(cfg, grouped_matmul_cpu, layer=1, ep=ep)
     first, last = ep.experts(E)
-    same_init = (np.array_equal(par.experts.w1.asnumpy(), ref.experts.w1.asnumpy()[first:last]) and
-                 np.array_equal(par.experts.w2.asnumpy(), ref.experts.w2.asnumpy()[first:last]))
+    same_init = all(np.array_equal(getattr(par.experts, w).asnumpy(), expert_shard(
+        w, getattr(ref.experts, w).asnumpy(), first, last, ep.tensor)) for w in ("w1", "w2"))
     mine = dict(par.parameters_and_names())
     for name, p in ref.parameters_and_names():
-        value = p.asnumpy()[first:last] if ".experts." in f".{name}" else p.asnumpy()
+        value = expert_shard(name, p.asnumpy(), first, last, ep.tensor) if ".experts." in f".{name}" \
+            else p.asnumpy()
         mine[name].set_data(Tensor(value))
     for layer in (ref, par):
         layer.gate.expert_bias.set_data(Tensor(skewed_bias(routing)))
@@ -100,13 +114,14 @@ def run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all, capa
         gp = gp.asnumpy()
         if ".experts." in f".{name}":     # this rank's experts: the gradient of its EP group's tokens arrives
             gp = edp.all_reduce(Tensor(gp)).asnumpy()     # here; the other EP groups hold the same experts
-            errors[f"grad {name}"] = relative_error(gp, gr[first:last])
+            errors[f"grad {name}"] = relative_error(gp, expert_shard(name, gr, first, last, ep.tensor))
         else:                             # replicated: each rank's gradient is its tokens' share
             errors[f"grad {name}"] = relative_error(sum_all(Tensor(gp)).asnumpy(), gr)
     tol = chain_tolerance("float32", [H, 2 * I, I, k, world * B * S])
     loads = par.gate(Tensor(x_all[rows].reshape(-1, H)), B)[4].asnumpy()
     drop = f" capacity={factor} {policy}" if capacity else ""
-    return {"case": f"{kind} top-{k} chunks={chunks} {routing} ep={layout.ep}{drop}", "errors": errors,
+    etp = f" etp={layout.etp}" if layout.etp > 1 else ""
+    return {"case": f"{kind} top-{k} chunks={chunks} {routing} ep={layout.ep}{etp}{drop}", "errors": errors,
             "tolerance": tol.rtol, "same_init": bool(same_init),
             "tokens_per_expert": sum_all(Tensor(loads)).asnumpy().tolist()}
 
@@ -124,18 +139,22 @@ def main(out: str) -> None:
     # (token slices: the last case; slicing is the layer's, the same for both dispatchers)
     # (the flat all-to-all at ep=world runs in the capacity case, and dropless in the expert-migration test's
     # training at ep=4 against one process)
-    cases = [("hierarchical", 2, 1, "skewed", world, None), ("alltoall", 4, 1, "skewed", 2, None),
-             ("alltoall", 2, 2, "skewed", world, None),
-             ("alltoall", 4, 1, "skewed", world, (1.0, "probs")),
-             ("hierarchical", 4, 2, "skewed", world, (1.0, "position"))]
+    # Expert tensor parallelism (etp=2, each expert's FFN over 2 ranks) inside an EP group of 2
+    cases = [("hierarchical", 2, 1, "skewed", world, 1, None), ("alltoall", 4, 1, "skewed", 2, 1, None),
+             ("alltoall", 2, 2, "skewed", world, 1, None),
+             ("alltoall", 4, 1, "skewed", world, 1, (1.0, "probs")),
+             ("hierarchical", 4, 2, "skewed", world, 1, (1.0, "position")),
+             ("alltoall", 4, 1, "skewed", 2, 2, None)]
     results = []
     if world == 4:
         errors = check_collectives(rank, world)
         results.append({"case": "collectives", "errors": errors, "tolerance": 1e-5, "same_init": True,
                          "tokens_per_expert": []})
         print(f"rank {rank}: collectives: worst {max(errors.values()):.2e}", flush=True)
-    for kind, k, chunks, routing, ep, capacity in cases:
-        layout = ParallelLayout(dp=world, ep=ep, devices_per_node=max(1, world // 2)).validate(world)
+    for kind, k, chunks, routing, ep, etp, capacity in cases:
+        if world % (ep * etp):
+            continue
+        layout = ParallelLayout(dp=world, ep=ep, etp=etp, devices_per_node=max(1, world // 2)).validate(world)
         ms.set_seed(11)
         results.append(run_case(rank, world, layout, kind, k, chunks, routing, x_all, cot_all, capacity))
         print(f"rank {rank}: {results[-1]['case']}: worst {max(results[-1]['errors'].values()):.2e}", flush=True)
