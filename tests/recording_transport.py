@@ -76,10 +76,10 @@ def transport(group, log: list | None = None, name: str = ""):
 
 
 def transports(layout: ParallelLayout, rank: int, log: list | None = None) -> dict:
-    """{name: transport} of world rank `rank` for dp (the dense gradients' group: data x context), tp, ep, edp, cp
-    and tp_cp (the ranks routing a sequence's positions under context parallelism)."""
+    """{name: transport} of world rank `rank` for dp (the dense gradients' group: data x context), tp, ep, edp, cp,
+    etp and tp_cp (the ranks routing a sequence's positions under context parallelism)."""
     groups = ProcessGroups(layout, rank, create=False)
-    out = {a.value: transport(groups.axis(a), log, a.value) for a in (Axis.TP, Axis.EP, Axis.EDP, Axis.CP)}
+    out = {a.value: transport(groups.axis(a), log, a.value) for a in (Axis.TP, Axis.EP, Axis.EDP, Axis.CP, Axis.ETP)}
     out["dp"] = transport(groups.axis(Axis.DP, Axis.CP), log, "dp")
     out["tp_cp"] = transport(groups.axis(Axis.TP, Axis.CP), log, "tp_cp")
     return out

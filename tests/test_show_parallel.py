@@ -132,7 +132,8 @@ def built_and_run(recipe):
     backward_end = len(log)
     axes = model.tp_split_axes()
     kinds = tuple(gradient_kind(w.name, model, axes) for w in weights)
-    prepare = PrepareGradients(weights, kinds, lay.dp, 1.0, GradientGroups(t["dp"], t["edp"], t["ep"], t["tp"]))
+    prepare = PrepareGradients(weights, kinds, lay.dp, 1.0, GradientGroups(t["dp"], t["edp"], t["ep"], t["tp"],
+                                                                            t["ep"], t["etp"]))
     prepare(grads, Tensor(1.0, ms.float32))
     cut = forward_end[0]
     recorded = {"forward": Counter(log[:cut]), "backward": Counter(log[cut:backward_end]),

@@ -15,7 +15,11 @@ Each bucket's collective is a Cell of its own (`_BucketComm`), so a bucket's red
 gradients: the graph compiler may start it as soon as the backward has produced them. The reductions are issued
 in the order the backward completes the buckets (`BucketPlan.backward_order`), the order in which a communication
 stream that runs collectives as issued can overlap each with the rest of the backward
-(docs/distributed-optimizer.md, "Overlap with the backward").
+(docs/distributed-optimizer.md, "Overlap with the backward"). Each collective's input depends on the one issued
+before it: the ranks of a group compile graphs that differ slightly (a norm mask where a rank's slice holds a
+parameter counted on another stage), and without that chain the compiler may order independent collectives
+differently on two ranks of one group, which then exchange mismatched buffers (measured: pp=2 x dp=2 on CPU,
+"RunRingAllReduce Memcpy error"). The chain orders only the collectives, never the backward's compute.
 """
 from __future__ import annotations
 
@@ -122,11 +126,14 @@ class ShardedGradients(nn.Cell):
         The sums over ranks are linear, so the unscaling, the division by dp and the clipping are one factor
         applied inside the update."""
         issued = ()
-        for b in self.issue:
+        for i in range(len(self.issue)):
+            b = self.issue[i]
             flat = self.flatten(grads, b)
             if self.grad_buffers is not None:
                 flat = flat + self.grad_buffers[b]
                 ops.assign(self.grad_buffers[b], ops.zeros_like(flat))
+            if i > 0:   # every rank of a group issues its collectives in one order (module docstring)
+                flat = ops.depend(flat, issued[i - 1])
             issued = issued + (self.comms[b](flat),)
         shards = ()
         for b in range(len(self.members)):
@@ -138,7 +145,7 @@ class ShardedGradients(nn.Cell):
         each = ops.concat(each)
         squares = ops.zeros((), ms.float32)
         for part in self.norm_parts:
-            squares = squares + part(each)
+            squares = squares + part(ops.depend(each, squares))
         if self.stages is not None:
             squares = self.stages.all_reduce(squares)
         factor, norm, finite = clip_factor(squares, grad_scale, self.dp, self.clip)
@@ -230,6 +237,7 @@ class ShardedAdamW(nn.Cell):
             hyper = adamw_hyper(self.learning_rate, self.beta1, self.beta2, self.eps, factor, bc1, root_bc2,
                                 self.threads, finite)
         status = ops.zeros((1,), ms.float32)
+        gathered = status
         if self.fused and self.master is not None:      # every bucket's master slice in one call
             status = adamw_update_cpu(self.master, self.exp_avg, self.exp_avg_sq, shards, hyper, self.weight_decays)
         for b in range(len(self.members)):
@@ -245,7 +253,9 @@ class ShardedAdamW(nn.Cell):
                     new = ops.depend(self.master[b], status)
             else:
                 new = self.step_slice(b, shards[b] * factor, finite, bc1, root_bc2)
-            self.write_back(b, self.comms[b].gather(new))
+            # the all-gathers in one order on every rank, as the reduce-scatters
+            gathered = self.comms[b].gather(ops.depend(new, gathered))
+            self.write_back(b, gathered)
         return status
 
     def step_slice(self, b: int, grad, finite, bc1, root_bc2):
