@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.ep_traffic                          # every trace, the tiny model trained 60 steps
     .venv/bin/python -m bench.ep_traffic --tiny-output output/tiny   # the tiny trace from an earlier run's checkpoint
     .venv/bin/python -m bench.ep_traffic --traces uniform zipf --nodes 2 8 64 --k 8
+    .venv/bin/python -m bench.ep_traffic --traces tiny --exchange 1t   # rows the exact exchange sends, tiny -> 1t
 
 Placement and counting: parallel/ep/traffic.py (rank r holds experts [rE/R, (r+1)E/R), nodes of --devices-per-node
 consecutive ranks). Each row deals a trace of --tokens tokens to the R = nodes x devices-per-node ranks (contiguous
@@ -21,6 +22,8 @@ one expert per rank), as the E column says. Traces:
   tiny      - recipes/tiny.yaml trained --tiny-steps steps in this process (16 experts, top-4, 3 MoE layers),
               routing recorded on its held-out batches; only layouts with R <= 16 exist for 16 experts, so its rows
               use 2 to 8 nodes of 2 to 8 devices (--tiny-layouts), the 3 layers pooled.
+--exchange RECIPE: the rows the exact flat exchange sends against the routed copies, counted by the trainer's
+dispatcher on the tiny trace scaled to the recipe's experts, top-k, ep and tokens per rank (exchange_rows).
 Columns: inter- and intra-node KiB per token per MoE layer (dispatch), flat/hier inter-node ratio, the trace's mean
 experts per touched remote node (counted per (token, node) pair: equal to the ratio by construction), and its
 analytic value for uniform routing (traffic.uniform_expected_reduction).
@@ -99,6 +102,49 @@ def print_table(rows: list[dict], bpt: int) -> None:
               f"| {r['uniform']:.3f} | {r['flat_intra']:.1f} | {r['hier_intra']:.1f} |")
 
 
+def exchange_rows(rec, recipe_name: str, rng) -> dict:
+    """Rows the exact flat exchange sends for the recipe's layout (ep, experts, top-k and the tokens a rank routes
+    per MoE layer, micro-batch and token slice, as the dry run's exchange line states them), routed by the trace
+    `rec` scaled to the recipe's experts (routing_trace.scale_routing), its MoE layers one after another. Counted
+    by the trainer's own dispatcher (telechat_moe/moe/dispatch.AllToAllDispatcher, `sent_rows`: what the step log's
+    ep_rows_sent sums), one source rank at a time: its transport stands in for a member of the ep-rank group
+    (SelfTransport, every exchange the identity), and the rows a source sends depend on its own routing only."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from parallel.comm.groups import Group
+    from parallel.comm.transport import SelfTransport
+    from telechat_moe.dry_run import slice_tokens
+    from telechat_moe.moe.dispatch import AllToAllDispatcher
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.routing_trace import scale_routing
+    class SentRows(ms.nn.Cell):
+        def __init__(self, dispatcher):
+            super().__init__()
+            self.dispatcher = dispatcher
+
+        def construct(self, x, indices, weights):
+            return self.dispatcher.sent_rows(self.dispatcher.dispatch(x, indices, weights)[2])
+
+    r = load_recipe(recipe_name)
+    ep, experts, k, tokens = r.layout.ep, r.model.n_routed_experts, r.model.num_experts_per_tok, slice_tokens(r)
+    ms.set_context(mode=ms.GRAPH_MODE)      # one compile, then each rank's call runs the compiled exchange
+    count = SentRows(AllToAllDispatcher(experts, SelfTransport(Group("ep_stand_in", tuple(range(ep)), 0)),
+                                        ms.float32))
+    x, weights = Tensor(np.ones((tokens, 1), np.float32)), Tensor(np.ones((tokens, k), np.float32))
+    sent = copies = 0
+    received = np.zeros(ep)
+    for layer in rec.routing.values():
+        pool = scale_routing(layer, rec.num_experts, experts, k, rng)
+        for rank in range(ep):      # the layer's tokens dealt to the ranks in turn, reused once all are dealt
+            idx = pool[np.arange(rank * tokens, (rank + 1) * tokens) % len(pool)]
+            sent += int(count(x, Tensor(idx), weights).asnumpy())
+            copies += idx.size
+            received += np.bincount(idx.reshape(-1) // (experts // ep), minlength=ep)
+    return {"recipe": recipe_name, "ep": ep, "experts": experts, "k": k, "tokens": tokens,
+            "layers": len(rec.routing), "copies": copies, "sent": sent, "ratio": sent / copies,
+            "receiver_skew": received.max() / received.mean()}
+
+
 def layout(text: str) -> tuple[int, int]:
     try:
         nodes, dpn = (int(x) for x in text.lower().split("x"))
@@ -121,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-steps", type=int, default=60)
     ap.add_argument("--tiny-output", help="an earlier tiny run's output folder: its checkpoint, no training")
     ap.add_argument("--tiny-layouts", nargs="+", default=list(TINY_LAYOUTS), help="NODESxDEVICES per tiny row")
+    ap.add_argument("--exchange", nargs="*", default=[], metavar="RECIPE",
+                    help="also count the rows the exact exchange sends on the tiny trace scaled to these recipes' "
+                         "layouts (e.g. 1t)")
     ap.add_argument("--hidden", type=int, default=4096, help="hidden size of a token copy (1t recipe: 4096)")
     ap.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element of a token copy (bfloat16: 2)")
     ap.add_argument("--seed", type=int, default=0)
@@ -173,7 +222,22 @@ def main(argv: list[str] | None = None) -> int:
             per_layer.append(f"{nodes}x{dpn}: " + " ".join(f"L{i} {total(x, topo).ratio:.2f}"
                                                            for i, x in by_layer.items()))
         print("[bench] tiny flat/hier per MoE layer: " + "; ".join(per_layer))
+        exchanged = []
+        for name in args.exchange:
+            t0 = time.perf_counter()
+            exchanged.append(exchange_rows(rec, name, rng))
+            print(f"[bench] exact exchange on the tiny trace scaled to {name} ({time.perf_counter() - t0:.1f}s)",
+                  flush=True)
     print_table(rows, bpt)
+    if "tiny" in args.traces and exchanged:
+        print("\nRows the exact flat exchange sends (its dispatcher's own count, the step log's ep_rows_sent) on the "
+              "tiny trace scaled to a recipe's layout, per MoE layer x the trace's layers, all source ranks\n")
+        print("| recipe | ep | experts | top-k | tokens per rank and slice | routed copies | rows sent | sent / copies "
+              "| most loaded receiver / mean |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for e in exchanged:
+            print(f"| {e['recipe']} | {e['ep']} | {e['experts']} | {e['k']} | {e['tokens']} | {e['copies']:,} "
+                  f"| {e['sent']:,} | {e['ratio']:.4f}x | {e['receiver_skew']:.2f} |")
     wide = sorted({r["E"] for r in rows if not r["trace"].startswith("tiny") and r["E"] != args.experts})
     if wide:
         print(f"\nE = {args.experts} experts except where ranks > {args.experts} (one expert group per rank): "

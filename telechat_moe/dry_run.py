@@ -86,12 +86,19 @@ def report(r: Recipe) -> str:
     return "\n".join(lines)
 
 
+def slice_tokens(r: Recipe) -> int:
+    """The tokens one rank routes per MoE layer, micro-batch and token slice (sequence and context parallelism split
+    a micro-batch's sequence over tp and cp)."""
+    m, lay = r.model, r.layout
+    return r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // (lay.tp * lay.cp) \
+        // m.moe_comm_chunks
+
+
 def exchange_line(r: Recipe) -> str:
     """The rows the expert exchange sends against the routed copies they carry (parallel/ep/capacity.py)."""
     m, lay = r.model, r.layout
     k, E, cf = m.num_experts_per_tok, m.n_routed_experts, m.moe_expert_capacity_factor
-    tokens = r.training.global_batch_size // (lay.dp * lay.micro_batch_num) * m.seq_length // (lay.tp * lay.cp) \
-        // m.moe_comm_chunks
+    tokens = slice_tokens(r)
     sizes = group_sizes(lay, m.moe_token_dispatcher_type)
     hierarchical = m.moe_token_dispatcher_type == "hierarchical"
     copies = int(routed_copies(tokens, k, E, cf))

@@ -147,3 +147,21 @@ def trained_tiny_trace(steps: int = 60, *, output_dir: str | Path | None = None,
         log(f"[trace] recorded {len(routing)} MoE layers x {next(iter(routing.values())).shape[0]} held-out tokens "
             f"({seconds['record']:.1f}s)")
         return RecordedTrace(routing, cfg.n_routed_experts, cfg.num_experts_per_tok, trainer.step, source, seconds)
+
+
+def scale_routing(indices: np.ndarray, num_experts: int, experts: int, top_k: int, rng) -> np.ndarray:
+    """A trace of `num_experts` experts routed top-k0 ([N, k0]) as one of `experts` routed `top_k`: expert e of the
+    trace stands for the group [e*g, (e+1)*g) of g = experts / num_experts experts, and each of a token's k0 choices
+    becomes top_k / k0 distinct experts of its group, drawn uniformly (`rng`). The trace's skew over its experts
+    is kept as skew over the groups (and so over the ranks holding them); inside a group the load is even."""
+    n, k0 = indices.shape
+    if experts % num_experts or top_k % k0:
+        raise ValueError(f"scale_routing: {experts} experts top-{top_k} is not a whole multiple of the trace's "
+                         f"{num_experts} experts top-{k0}")
+    group, per = experts // num_experts, top_k // k0
+    if per > group:
+        raise ValueError(f"scale_routing: {per} experts per choice, but a group holds {group}")
+    # per (token, choice): `per` distinct members of the group, the smallest of random keys (sampling without
+    # replacement)
+    members = np.argsort(rng.random((n, k0, group)), axis=-1)[..., :per]
+    return (indices[..., None] * group + members).reshape(n, top_k).astype(np.int32)

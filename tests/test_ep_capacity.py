@@ -109,3 +109,31 @@ def test_layer_with_a_capacity_that_drops_nothing_equals_the_dropless_layer():
         layer = MoELayer(ModelConfig(**{**cfg.__dict__, "moe_expert_capacity_factor": factor}), grouped_matmul_cpu)
         outputs.append(layer(x)[0].asnumpy())
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_routing_statistics_count_what_was_sent_after_the_drop():
+    """The statistics the step log reads (MoELayer's stats: expert load, dispatch traffic, rows the exchange sent)
+    count the copies left after the capacity drop, not the router's demand. One process stands in for rank 0 of an
+    EP group of 4 (SelfTransport: every exchange the identity), so the rows counted are this rank's own sends."""
+    from parallel.comm.groups import Group
+    from parallel.comm.transport import SelfTransport
+    from telechat_moe.moe.dispatch import ExpertParallel
+    from telechat_moe.moe.layer import ROUTING_STATS
+    ms.set_context(mode=ms.GRAPH_MODE)
+    experts, k, g, tokens = 8, 2, 4, 32
+    cfg = ModelConfig(hidden_size=32, n_routed_experts=experts, num_experts_per_tok=k, moe_intermediate_size=16,
+                      moe_shared_expert_intermediate_size=16, seq_length=tokens, moe_aux_loss_coeff=0.0,
+                      moe_expert_capacity_factor=0.5)
+    ep = ExpertParallel(g, 0, "alltoall", g, SelfTransport(Group("ep_stand_in", tuple(range(g)), 0)))
+    ms.set_seed(5)
+    layer = MoELayer(cfg, grouped_matmul_cpu, ep=ep)
+    x = Tensor(np.random.default_rng(0).normal(size=(1, tokens, 32)).astype(np.float32))
+    stats = layer(x)[3].asnumpy()
+    indices, weights = (t.asnumpy() for t in layer.gate(x.reshape(tokens, 32), 1)[:2])   # the demand
+    keep = reference_keep(indices, weights, experts, int(expert_capacity(tokens, k, experts, 0.5)), "probs")
+    sent = indices[keep]
+    assert len(stats) == experts + ROUTING_STATS and 0 < sent.size < indices.size     # copies were dropped
+    np.testing.assert_array_equal(stats[:experts], np.bincount(sent, minlength=experts))   # load: what was sent
+    flat_inter, flat_intra = stats[experts:experts + 2]           # one node of 4 ranks; rank 0 holds experts 0, 1
+    assert flat_inter == 0 and flat_intra == (sent >= experts // g).sum()
+    assert stats[-1] == sent.size + g                             # rows: the kept copies and one pad per member

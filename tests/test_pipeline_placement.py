@@ -270,12 +270,17 @@ def test_1t_recipe_meets_the_105_target():
     assert max(balanced.stage_memory) <= limit
 
 
+# 105b.yaml runs without pipeline stages (the planner's best for 256 devices); the test balances its former split
+PIPELINED_105B = ["parallel_config.data_parallel=32", "parallel_config.pipeline_stage=4",
+                  "parallel_config.pp_interleave_num=2", "parallel_config.micro_batch_num=4"]
+
+
 def test_105b_recipe_and_a_binding_memory_limit():
     """105b at p=8 under its 55.5 GiB balances below the equal-layer split; a limit below the peak of 1t's
     placement with MTP apart from the head is met at the same slowest stage (the memory rows bind); one below what a
     stage must hold names the limit. (With MTP beside the head, 1t's fastest placement already holds the least a
     stage can: 8.49 GiB, no limit below it is met.)"""
-    balanced, naive, units, limit = plan("recipes/105b.yaml")
+    balanced, naive, units, limit = plan("recipes/105b.yaml", PIPELINED_105B)
     assert max(balanced.stage_memory) <= limit and balanced.slowest_over_mean < naive.slowest_over_mean
     recipe = pytest.importorskip("telechat_moe.recipe").load_recipe("recipes/1t.yaml", BOUNDED)
     w, layout = workload_and_layout(recipe, CLUSTER)

@@ -111,3 +111,14 @@ def test_score_assignment_follows_the_schedule():
     assert score["memory_per_stage"] == pytest.approx(list(assess(w, lay, [v], "dualpipev")["memory"][0]))
     assert score["step_time"] > v.objective
     assert score != score_assignment(w, lay, v)
+
+
+def test_refine_on_threads_lists_what_one_thread_lists():
+    """refine balances its layouts side by side on threads; the short list (layouts, schedules, assignments,
+    scores) is the one a single thread gives, in the same order."""
+    w = Workload(TELECHAT3_105B, load_cluster("ascend910b"), devices=256, seq_length=4096, global_batch=512)
+    result = search(w, SearchSpace(tp=(8,), pp=(4, 8), vpp=(1, 2), ep_overlap=(True,)))
+    one, many = refine(w, result, top=4, workers=1), refine(w, result, top=4, workers=3)
+    assert len(one) == 4
+    assert [(c.layout, c.schedule, c.assignment, c.scores["step_time"]) for c in one] == \
+        [(c.layout, c.schedule, c.assignment, c.scores["step_time"]) for c in many]

@@ -3,6 +3,9 @@ and the nearest feasible alternatives when nothing fits."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,32 +57,52 @@ def balance_and_simulate(w: Workload, layout: ParallelLayout, schedule: str) -> 
     return Candidate(layout, a, scores, schedule)
 
 
-def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = None, progress=None) -> list[Candidate]:
+def balance_best(w: Workload, layout: ParallelLayout) -> Candidate | None:
+    """`layout` balanced under each schedule it can run (`schedules_for`), the fastest simulated; None if none fits."""
+    balanced = [c for c in (balance_and_simulate(w, layout, name) for name in schedules_for(w, layout)) if c]
+    return min(balanced, key=lambda c: c.scores["step_time"]) if balanced else None
+
+
+def distinct_per_chunk(rows):
+    """`rows` without those that differ from an earlier one only in their uniform recompute."""
+    seen = set()
+    for row in rows:
+        key = dataclasses.replace(row, recompute="none")
+        if key not in seen:
+            seen.add(key)
+            yield row
+
+
+def refine(w: Workload, result: SearchResult, top: int = 10, pool: int | None = None, progress=None,
+           workers: int | None = None) -> list[Candidate]:
     """Balance the best `pool` distinct layouts per chunk by ILP (recompute is re-chosen per chunk, so layouts
     that differ only in their uniform recompute collapse into one), check each with the event-driven simulator,
     and return the `top` by simulated step time; where some of the pool do not fit once balanced, the next layouts
     in the search's order are balanced too, until `top` fit or none are left. A layout DualPipeV can run is
     balanced under it as well and kept under whichever schedule simulates faster (`schedules_for`). Scores are the
-    simulator's; 'analytic_step_time' is the ILP's model of the same assignment."""
+    simulator's; 'analytic_step_time' is the ILP's model of the same assignment.
+
+    The layouts are balanced side by side on `workers` threads (default: the CPUs this process may use): HiGHS
+    releases the GIL while it solves, and each solve is the same deterministic program whatever runs beside it,
+    so the list is the one a single thread gives."""
     pool = pool or max(top + 2, 6)
     sc, lay = result.scores, result.layouts
     near = np.flatnonzero(sc["memory"] <= NEAR_FIT * w.cluster.usable_memory)
     order = near[np.argsort(sc["step_time"][near], kind="stable")]
-    seen, out, tried = set(), [], 0
-    for i in order:
-        row = lay.row(int(i))
-        key = dataclasses.replace(row, recompute="none")
-        if key in seen:
-            continue
-        seen.add(key)
-        if tried >= pool and len(out) >= top:
-            break
-        tried += 1
-        balanced = [c for c in (balance_and_simulate(w, row, name) for name in schedules_for(w, row)) if c]
-        if progress:
-            progress(tried, max(pool, tried))
-        if balanced:
-            out.append(min(balanced, key=lambda c: c.scores["step_time"]))
+    rows = distinct_per_chunk(lay.row(int(i)) for i in order)
+    out, tried = [], 0
+    with ThreadPoolExecutor(workers or len(os.sched_getaffinity(0))) as threads:
+        # the pool first, then as many more as places are left (each layout adds at most one), until `top` fit
+        while tried < pool or len(out) < top:
+            batch = list(itertools.islice(rows, pool - tried if tried < pool else top - len(out)))
+            if not batch:
+                break
+            for c in threads.map(lambda row: balance_best(w, row), batch):
+                tried += 1
+                if progress:
+                    progress(tried, max(pool, tried))
+                if c:
+                    out.append(c)
     out.sort(key=lambda c: c.scores["step_time"])
     return out[:top]
 
