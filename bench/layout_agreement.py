@@ -96,7 +96,19 @@ def read_run(out: Path) -> RunResult:
     return RunResult(steps, held_out)
 
 
-def train(layout: Layout, common: list[str], out: Path, tokenizer: Path | None) -> RunResult:
+def finished(out: Path, steps: int) -> bool:
+    """A run in `out` logged every step and its held-out loss (an interrupted bench's runs that need no rerun)."""
+    try:
+        run = read_run(out)
+    except (OSError, ValueError):
+        return False
+    return len(run.steps) == steps and not math.isnan(run.held_out) and (out / "dump").is_dir()
+
+
+def train(layout: Layout, common: list[str], out: Path, tokenizer: Path | None, reuse: bool, steps: int) -> RunResult:
+    if reuse and finished(out, steps):
+        print(f"[agreement] {layout.name or 'one process'}: reusing {out}", flush=True)
+        return read_run(out)
     args = ["run_train.py", "--recipe", common[0]]
     for assignment in [*common[1:], *layout.assignments, f"output_dir={out}"] + (
             [f"data.tokenizer={tokenizer}"] if tokenizer else []):
@@ -156,23 +168,28 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="a recipe assignment for every run (repeatable)")
     ap.add_argument("--out", help="keep the runs here (default: a temporary folder, removed)")
     ap.add_argument("--markdown", help="also write the table to this file")
+    ap.add_argument("--reuse", action="store_true", help="keep the runs in --out that finished (same tree and "
+                    "options assumed: for an interrupted bench), train the rest")
     args = ap.parse_args(argv)
     try:
         layouts = [parse_layout(text) for text in args.layout]
     except ValueError as error:
         ap.error(str(error))
+    if args.reuse and not args.out:
+        ap.error("--reuse: needs --out, the folder of the runs to keep")
     common = [args.recipe, f"training.train_steps={args.steps}", f"training.dump_steps=1,{args.steps}",
               "training.log_interval=1", f"training.eval_interval={args.steps}",
               "training.save_interval=0", *args.set]
     root = Path(args.out or tempfile.mkdtemp(prefix="layout_agreement."))
     try:
         one_dir = root / "one"
-        one = train(Layout("", [], 1), common, one_dir, None)
+        one = train(Layout("", [], 1), common, one_dir, None, args.reuse, args.steps)
         tokens = tokens_per_step(args.recipe, common[1:])
         results = []
         for i, layout in enumerate(layouts):
             out = root / f"layout{i}"
-            results.append(agree(layout, one, train(layout, common, out, one_dir / "tokenizer.model"), tokens,
+            results.append(agree(layout, one, train(layout, common, out, one_dir / "tokenizer.model", args.reuse,
+                                                   args.steps), tokens,
                                  one_dir, out))
     finally:
         if not args.out:
