@@ -9,9 +9,9 @@ A checkout is a folder with run_train.py (e.g. `git worktree add --detach DIR CO
 this one's); each run uses that folder's code (PYTHONPATH and working directory) and this interpreter. Layouts
 are bench.layout_agreement's tokens. Rounds alternate the trees (round r: every tree once, in order), so that a
 load change on the machine reaches both; runs go one at a time through the tests' machine-wide msrun lock. The
-table: per layout and tree, every round's trainer step time at --steps (metrics.jsonl) and the pipeline's
-measured step, measured idle share, simulated (rendezvous transfers) and eager-send idle shares of the last round,
-and the ratio of the trees' median step times.
+table: per layout and tree, every round's trainer step time at --steps (metrics.jsonl, every step logged) and the
+pipeline's measured step (the schedule alone, from the timeline), the last round's measured idle share, simulated
+(rendezvous transfers) and eager-send idle shares, and the ratio of the trees' median step times.
 """
 from __future__ import annotations
 
@@ -83,8 +83,10 @@ def main(argv=None) -> int:
                 for ti, tree in enumerate(trees):
                     out = root / f"l{li}_t{ti}_r{r}"
                     shutil.rmtree(out, ignore_errors=True)
-                    sets = [*layout.assignments, f"training.train_steps={args.steps}", "training.eval_interval=0",
-                            "training.save_interval=0", f"output_dir={out}"]
+                    # every step logged, so that the last step's time is its own (a log line averages the steps
+                    # since the one before)
+                    sets = [*layout.assignments, f"training.train_steps={args.steps}", "training.log_interval=1",
+                            "training.eval_interval=0", "training.save_interval=0", f"output_dir={out}"]
                     print(f"[trees] round {r}, {layout.name}, {tree} ...", flush=True)
                     train(tree, layout.world, ["--recipe", args.recipe, *[x for s in sets for x in ("--set", s)]],
                           out)
