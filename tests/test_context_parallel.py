@@ -36,17 +36,28 @@ def test_context_parallel_layouts_are_trainable_and_refusals_are_one_line():
     for assignments, world in ((["parallel_config.context_parallel=2"], 2),
                                (["parallel_config.context_parallel=2", "parallel_config.data_parallel=2"], 4),
                                (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
-                                 "parallel_config.use_seq_parallel=true"], 4)):
+                                 "parallel_config.use_seq_parallel=true"], 4),
+                               (["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
+                                 "parallel_config.micro_batch_num=2"], 4)):
         check_trainable(load_recipe("tiny", assignments), processes=world)
-    with pytest.raises(RecipeError, match=r"^parallel_config.context_parallel: 2 with pipeline_stage=2 is not "
-                                          r"trained yet"):
-        check_trainable(load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
-                                             "parallel_config.micro_batch_num=2"]), processes=4)
     r = load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.model_parallel=2"])
     r.model.seq_length = 132        # divisible by cp x tp, not by 2 x cp x tp
     with pytest.raises(RecipeError) as e:
         check_trainable(r, processes=4)
     assert str(e.value).startswith("model.seq_length: 132") and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_pipeline_stage_passes_the_activation_of_its_context_shard():
+    """Under pipeline parallelism the next stage's receive buffer holds the rank's positions: its cp shard, cut
+    again over tp under sequence parallelism (a buffer of the whole sequence made a cp=2 x pp=2 run wait in its first
+    step). pp=2 x cp=2 trains the one-process steps: bench.layout_agreement, docs/attention.md."""
+    from telechat_moe.pipeline_step import activation_positions
+    pipeline = ["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"]
+    for sets, positions in (([], 128), (["parallel_config.context_parallel=2"], 64),
+                            (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
+                              "parallel_config.use_seq_parallel=true"], 32),
+                            (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2"], 64)):
+        assert activation_positions(load_recipe("tiny", pipeline + sets)) == positions, sets
 
 
 def test_context_parallel_training_matches_one_process(tmp_path, one_process_tiny):
