@@ -79,6 +79,8 @@ class WeightShard:
     shard_shape: tuple
     trainable: bool = True         # the routers' expert_bias is not (moved by its own rule)
     reduced_over: tuple = ()       # the groups the step all-reduces its gradient over (groups of one rank left out)
+    etp_axis: int | None = None    # a routed expert's axis split over expert tensor parallelism (etp > 1)
+    etp: int = 1
 
     @property
     def numel(self) -> int:
@@ -199,7 +201,8 @@ class _Rank:
         self.collectives: list[Collective] = []
 
     # -- weights --
-    def weight(self, name: str, shape, axis: int | None = None, group: str | None = None, trainable: bool = True):
+    def weight(self, name: str, shape, axis: int | None = None, group: str | None = None, trainable: bool = True,
+               etp_axis: int | None = None):
         shape = tuple(int(d) for d in shape)
         size = self.sizes[group] if group else 1
         if axis is not None and size == 1:
@@ -209,8 +212,11 @@ class _Rank:
             if shape[axis] % size:
                 raise ValueError(f"{name}: dimension {axis} of {shape} is not divisible by {group}={size}")
             shard[axis] //= size
+        etp = self.sizes["etp"] if etp_axis is not None else 1
+        if etp > 1:
+            shard[etp_axis] //= etp
         self.weights.append(WeightShard(name, shape, axis, group, size if axis is not None else 1, tuple(shard),
-                                        trainable))
+                                        trainable, etp_axis=etp_axis if etp > 1 else None, etp=etp))
 
     def column(self, name, out_features, in_features):
         self.weight(name, (out_features, in_features), 0, "tp")
@@ -296,8 +302,9 @@ class _Rank:
         m = f"{prefix}.mlp"
         self.weight(f"{m}.gate.weight", (E, h))
         self.weight(f"{m}.gate.expert_bias", (E,), trainable=False)
-        self.weight(f"{m}.experts.w1", (E, h, 2 * cfg.moe_intermediate_size), 0, "ep")
-        self.weight(f"{m}.experts.w2", (E, cfg.moe_intermediate_size, h), 0, "ep")
+        # expert tensor parallelism: gate and up by columns (packed [gate | up] shards), down by rows
+        self.weight(f"{m}.experts.w1", (E, h, 2 * cfg.moe_intermediate_size), 0, "ep", etp_axis=2)
+        self.weight(f"{m}.experts.w2", (E, cfg.moe_intermediate_size, h), 0, "ep", etp_axis=1)
         # each tp rank routes its 1/tp of the positions: without sequence parallelism split off (and gathered back)
         split = tp_traffic.moe_token_split(s, b, t, h, self.sp)
         local = s // t if t > 1 else s
@@ -309,6 +316,7 @@ class _Rank:
             rows = b * local // cfg.moe_comm_chunks
             for _ in range(cfg.moe_comm_chunks):
                 self.dispatch(f"{m}.dispatcher", rows)
+                self.expert_rows(f"{m}.experts", rows)
         self.add(m, split[1:])
         self.swiglu(f"{m}.shared_experts", cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts)
 
@@ -330,6 +338,26 @@ class _Rank:
                   (sent, h), self.cdt)
         self.coll(where, "combine AllToAllV backward: outputs' gradient", "backward", "all_to_all_v", group,
                   (sent, h), self.cdt)
+
+    def expert_rows(self, where: str, rows: int):
+        """parallel/tp/expert.py's ExpertRows over etp: the rows per local expert of each peer (all-gather, float32,
+        no gradient), the received rows tiled to every peer and the peers' partial sums back (uneven all-to-alls
+        whose rows are known at run time: listed at the rows the exchange sent, what a rank receives on average),
+        each mirrored in the backward."""
+        etp = self.sizes["etp"]
+        if etp == 1:
+            return
+        cfg, h = self.cfg, self.h
+        local = cfg.n_routed_experts // self.layout.ep
+        n = etp * int(sent_rows(routed_copies(rows, cfg.num_experts_per_tok, cfg.n_routed_experts,
+                                              cfg.moe_expert_capacity_factor), self.layout.ep))
+        self.coll(where, "ExpertRows.gather: rows per local expert of each etp peer", "forward", "all_gather", "etp",
+                  (local + 1,), "float32")
+        for direction, note in (("forward", ""), ("backward", " gradient")):
+            self.coll(where, f"ExpertRows.gather AllToAllV: the rows to every etp peer{note}", direction,
+                      "all_to_all_v", "etp", (n, h), self.cdt)
+            self.coll(where, f"ExpertRows.scatter AllToAllV: the peers' partial sums back{note}", direction,
+                      "all_to_all_v", "etp", (n, h), self.cdt)
 
     def dispatch(self, where: str, rows: int):
         cfg, h, k, E = self.cfg, self.h, self.cfg.num_experts_per_tok, self.cfg.n_routed_experts
@@ -421,7 +449,8 @@ class _Rank:
             for g in groups:
                 self.coll(w.name, f"gradient sum over {g}", "step", "all_reduce", g, w.shard_shape, PARAM_DTYPE)
         self.coll("grad_norm", "sum of the tp shards' squares", "step", "all_reduce", "tp", (), "float32")
-        self.coll("grad_norm", "sum of the expert shards' squares", "step", "all_reduce", "ep", (), "float32")
+        self.coll("grad_norm", "sum of the expert shards' squares", "step", "all_reduce",
+                  "ep" if self.sizes["etp"] == 1 else "expert", (), "float32")
         cfg = self.cfg
         routers = cfg.num_moe_layers + cfg.num_nextn_predict_layers
         if world > 1:
@@ -436,11 +465,12 @@ class _Rank:
 def group_sizes(layout, dispatcher: str = "alltoall") -> dict:
     """Sizes of the groups a rank of `layout` exchanges on (rank 0's; every rank's are alike): tp, ep, dp (the dense
     gradients' group: data x context), edp, cp, tp_cp (the ranks routing a sequence's positions under context
-    parallelism), world, and for the hierarchical dispatcher the EP ranks in a node (ep_node) and across nodes
+    parallelism), etp and expert (ep x etp: every expert shard of the stage once), world, and for the hierarchical dispatcher the EP ranks in a node (ep_node) and across nodes
     (ep_inter)."""
     from parallel.layout import Axis
     sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp * layout.cp, "edp": layout.edp, "cp": layout.cp,
-             "tp_cp": layout.tp * layout.cp, "world": layout.world_size, "ep_node": 1, "ep_inter": 1}
+             "tp_cp": layout.tp * layout.cp, "world": layout.world_size, "ep_node": 1, "ep_inter": 1,
+             "etp": layout.etp, "expert": layout.ep * layout.etp}
     if dispatcher == "hierarchical" and layout.ep > 1:
         ep = layout.group_of(Axis.EP, 0)
         sizes["ep_node"] = sum(1 for r in ep if layout.node_of(r) == layout.node_of(0))

@@ -135,7 +135,7 @@ def model_volumes(report: ParallelReport) -> dict:
             out[("attention", "cp", direction)] = wire(f"layers.{(dense_layers + moe_layers)[0]}", ("cp",))
         if moe_layers:
             out[("moe_layer", "tp", direction)] = wire(f"layers.{moe_layers[0]}", ("tp", "tp_cp"))
-            out[("moe_layer", "ep", direction)] = wire(f"layers.{moe_layers[0]}", ("ep", "ep_node", "ep_inter"))
+            out[("moe_layer", "ep", direction)] = wire(f"layers.{moe_layers[0]}", ("ep", "ep_node", "ep_inter", "etp"))
         if report.has_embedding:
             out[("embedding", "tp", direction)] = wire(lambda w: w == "embed_tokens")
         if report.has_head:
@@ -227,7 +227,7 @@ def format_report(report: ParallelReport) -> str:
     lay = report.layout
     first, end = report.layers
     sizes = report.group_sizes
-    groups = ", ".join(f"{g}={sizes[g]}" for g in ("tp", "ep", "dp", "edp", "ep_node", "ep_inter", "world")
+    groups = ", ".join(f"{g}={sizes[g]}" for g in ("tp", "ep", "etp", "dp", "edp", "ep_node", "ep_inter", "world")
                        if sizes.get(g, 1) > 1 or g == "world")
     stage = (f"pipeline stage {report.stage} of {lay.pp} (the dry run's; pipeline parallelism is planned, not "
              f"trained), " if lay.pp > 1 else "")
@@ -253,6 +253,8 @@ def format_report(report: ParallelReport) -> str:
         if layer is not None and layer not in shown:
             continue
         split = f"dim {w.split_axis} over {w.group}={w.group_size}" if w.split_axis is not None else "replicated"
+        if w.etp_axis is not None:
+            split += f", dim {w.etp_axis} over etp={w.etp}"
         grad = "+".join(w.reduced_over) if w.reduced_over else "-"
         rows.append((w.name, _shape(w.full_shape), split, _shape(w.shard_shape),
                      f"{w.numel:,}" if w.trainable else f"{w.numel:,} (not trainable)", grad if w.trainable else ""))

@@ -55,7 +55,8 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
     """The recipe's model on `devices` of `cluster` (a name, a YAML path or a loaded Cluster). Unset arguments take
     the recipe's own: its layout's device count, model.seq_length, training.global_batch_size, GEMMs in
     model.compute_dtype and the trainer's bytes per tensor kind (`recipe_precision`), of which `precision`
-    (`parse_precision`'s text) restates any. Its expert exchanges move the routed copies, as this project's
+    (`parse_precision`'s text) restates any; the cluster's usable memory is the recipe's
+    context.max_device_memory_gb where it sets one (the cap the trainer runs under and the dry run checks). Its expert exchanges move the routed copies, as this project's
     dispatchers do."""
     if not isinstance(cluster, Cluster):
         try:
@@ -66,6 +67,9 @@ def recipe_workload(recipe, cluster: str | Cluster, devices: int | None = None, 
     if dtype not in cluster.peak_flops:
         raise WorkloadError(f"--dtype: cluster {cluster.name} has no peak for {dtype} (has "
                             f"{', '.join(sorted(cluster.peak_flops))}); pass --dtype")
+    if recipe.context.max_device_memory_gb > 0:   # the recipe's memory pool cap is what a plan must fit in
+        cluster = dataclasses.replace(cluster, usable_memory_fraction=recipe.context.max_device_memory_gb
+                                      * 2 ** 30 / cluster.memory_bytes)
     bytes_per_kind = dataclasses.replace(recipe_precision(recipe, dtype), **parse_precision(precision or ""))
     seq = seq or recipe.model.seq_length
     shape = dataclasses.replace(recipe.model.to_model_shape(), seq_length=seq)

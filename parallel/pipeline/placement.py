@@ -407,7 +407,7 @@ def planner_units(w: Workload, layout: ParallelLayout, options: PlacementOptions
         for i, row in enumerate(rows):
             if (wk is head_only) == (row[0] == "head"):
                 cost[row] = {key: float(parts[key][i]) for key in parts}
-                cost[row].update(static=float((mem["weights"] + mem["grads"] + mem["optimizer"])[i]),
+                cost[row].update(static=float(mem["static"][i]),
                                  act=float(mem["activation_per_microbatch"][i]), transient=float(mem["transient"][i]))
     head, emb = cost["head", None], dict(cost["embedding", None])
     depth = w.shape.mtp_depth

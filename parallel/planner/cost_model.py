@@ -65,6 +65,7 @@ import numpy as np
 
 from parallel.planner.blocks import BlockCost, BlockCosts, block_costs
 from parallel.planner.costing import Costing
+from parallel.optim.memory import accumulate_bytes, uses_distributed
 from parallel.planner.model_shape import dense_layers_in, flops_per_token, rank_static_bytes
 from parallel.planner.workload import FP32, Layouts, Workload
 
@@ -147,8 +148,9 @@ def stage_time(w: Workload, b: BlockCosts, st: StagePlan) -> tuple[np.ndarray, n
 
 
 def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dict[str, np.ndarray]:
-    """Bytes per device of the stage: weights, gradients, optimizer states, activations at the peak (those
-    kept for in-flight micro-batches plus the largest transient of one block)."""
+    """Bytes per device of the stage: weights, gradients, optimizer states and gradients held between micro-batches
+    ('static', the dry run's figure), activations at the peak (those kept for in-flight micro-batches plus the
+    largest transient of one block)."""
     p, d = w.precision, w.shape.mtp_depth
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
     # MTP's copy of the embedding on a last stage apart from it (model_shape.stage_parameters)
@@ -178,8 +180,9 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     # on the device: the kept activations but their offloaded share, and that share of the two blocks in transfer
     offload = 0.0 if rt.keeps_op_outputs else w.activation_offload
     static = rank_static_bytes(dense, expert, shards_dense, shards_expert, p.param_bytes, p.grad_bytes,
-                               p.optimizer_bytes, p.master)     # the dry run's formula; gradients summed in place
+                               p.optimizer_bytes, p.master, held_gradient_bytes(w, lay))  # the dry run's formula
     out = {"weights": static["weights"], "grads": static["grads"], "optimizer": static["optimizer"],
+           "grad_buffers": static["grad_buffers"],
            "activation_per_microbatch": (1 - offload) * act,
            "activations": (1 - offload) * act * in_flight(lay, st.stage),
            "transient": transient + offload * 2 * largest_act,
@@ -189,12 +192,24 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
         graphs = np.where(lay.m > 1, 2.0, 1.0)
         held = rt.activation_outputs * (act_none + transient_none) + rt.recompute_outputs * (act_none - act)
         out["activations"] = graphs * held * in_flight(lay, st.stage)
-        out["grads"] = params * p.grad_bytes * (rt.weight_outputs + (lay.m > 1))
+        out["grads"] = params * p.grad_bytes * (rt.weight_outputs + (lay.m > 1))  # its accumulators included
+        out["grad_buffers"] = np.zeros(len(lay))
         transient = np.zeros(len(lay))
     out["fixed"] = fixed_memory(w, lay)
     out["transient"] = transient = transient + (out["fixed"] if rt.fixed_memory_in_pool else 0.0)
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"] + transient
+    out["static"] = out["weights"] + out["grads"] + out["optimizer"] + out["grad_buffers"]
+    out["total"] = out["static"] + out["activations"] + transient
     return out
+
+
+def held_gradient_bytes(w: Workload, lay: Layouts) -> np.ndarray:
+    """Bytes per parameter of the gradients each layout holds between micro-batches, by the trainer's rule
+    (parallel/optim/memory.py, as the dry run asks it): the distributed optimizer's float32 buckets, or
+    accumulators in the weights' dtype under pipeline parallelism or the replicated optimizer."""
+    edp = lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp)
+    distributed = uses_distributed(w.shard_optimizer, lay.dp * lay.cp, edp,
+                                   "float32" if w.precision.param_bytes >= 4 else "below float32")
+    return accumulate_bytes(distributed, lay.m, lay.pp > 1, w.precision.param_bytes)
 
 
 def fixed_memory(w: Workload, lay: Layouts) -> np.ndarray:

@@ -62,7 +62,7 @@ def simulate_layout(w: Workload, layout: ParallelLayout, a: StageAssignment | No
     bwd = per_stage(parts["bwd_compute"] + parts["bwd_comm"])
     params = {k: per_stage(mem[k]) for k in ("dense_params", "expert_params", "replicated_params")}
     step = sim.step_time + float(update_time(w, lay.take(np.zeros(pp, int)), params, fwd, bwd).max())
-    static = per_stage(mem["weights"] + mem["grads"] + mem["optimizer"]) + mem["transient"].reshape(pp, v).max(axis=1)
+    static = per_stage(mem["static"]) + mem["transient"].reshape(pp, v).max(axis=1)
     memory = [float(x) for x in static + np.array(sim.peak_activation)]
     scores = summarise(w, Layouts.of(layout), np.array([step]), np.array([sim.step_time]),
                        np.array([float((fwd + bwd).sum())]), np.array([max(memory)]))

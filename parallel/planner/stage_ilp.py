@@ -144,7 +144,7 @@ def assess(w: Workload, layout: ParallelLayout, assignments: list[StageAssignmen
     bwd = (parts["bwd_compute"] + parts["bwd_comm"]).reshape(shape)
     t = fwd + bwd
     mem = stage_memory(w, lay, b, st)
-    static = (mem["weights"] + mem["grads"] + mem["optimizer"]).reshape(shape).sum(axis=2)
+    static = mem["static"].reshape(shape).sum(axis=2)
     act = mem["activation_per_microbatch"].reshape(shape)
     transient = mem["transient"].reshape(shape).max(axis=2)
     profiles = held_profiles(pp, v, m, schedule_name(layout, schedule))
