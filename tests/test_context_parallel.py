@@ -78,21 +78,22 @@ def test_context_parallel_training_matches_one_process(tmp_path, one_process_tin
 
 
 def test_the_long_context_recipe_is_the_planners_pick_with_cp_and_fits():
-    """recipes/105b-32k.yaml (105B, 16 sequences of 32K on 256 devices): the planner's best layouts split the sequence
-    (cp > 1), the recipe holds the best one, its dry run fits the device, and one process stops only at the process
-    count (the layout trains)."""
+    """recipes/105b-32k.yaml (105B, 16 sequences of 32K on 256 devices): the planner's top ten (ILP-balanced and
+    simulated, as `python -m telechat_moe.plan` lists them) split the sequence (cp > 1), the recipe holds the best one,
+    its dry run fits the device, and one process stops only at the process count (the layout trains)."""
+    from parallel.planner.refine import refine
     from parallel.planner.search import search
     from telechat_moe.dry_run import fit_problem
     from telechat_moe.workload import recipe_workload
     recipe = load_recipe("105b-32k")
     lay = recipe.layout
     w = recipe_workload(recipe, "ascend910b", lay.world_size)
-    result = search(w)
-    top = [result.layouts.row(int(i)) for i in result.ranked()[:10]]
-    assert top and all(x.cp > 1 for x in top), [x.cp for x in top]
+    top = refine(w, search(w), 10)
+    assert top and all(c.layout.cp > 1 for c in top), [c.layout.cp for c in top]
     best = top[0]
-    assert (best.dp, best.tp, best.cp, best.pp, best.ep) == (lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
-    assert result.scores["memory"][result.ranked()[0]] <= w.cluster.usable_memory
+    assert (best.layout.dp, best.layout.tp, best.layout.cp, best.layout.pp, best.layout.ep) == (
+        lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
+    assert best.scores["memory"] <= w.cluster.usable_memory
     assert fit_problem(recipe, 0.0, has_ascend=True) is None
     with pytest.raises(RecipeError, match="but 1 process was launched"):
         check_trainable(recipe, processes=1)
