@@ -24,7 +24,7 @@ import numpy as np
 
 from oneline import OneLineParser
 from precision.dump import DumpError, DumpRun, IndexEntry, open_run
-from precision.signatures import Diagnosis, diagnose
+from precision.signatures import NUMERIC_FACTOR, Diagnosis, diagnose
 from precision.tolerance import UNIT_ROUNDOFF, mean_relative_error, relative_error, tolerance
 
 WALK = ("forward", "loss", "grad", "optimizer")
@@ -56,6 +56,11 @@ class CompareReport:
     rows: list[TensorComparison] = field(default_factory=list)
     first: TensorComparison | None = None
     diagnosis: Diagnosis | None = None
+    # the first tensor of that step beyond NUMERIC_FACTOR tolerances, where it is not `first`: a small concentrated
+    # difference (a few Adam-normalised elements) can come before the difference that changes the run (a routing
+    # tie), and each has its own cause
+    gross: TensorComparison | None = None
+    gross_diagnosis: Diagnosis | None = None
 
 
 def walk_order(entries: Sequence[IndexEntry]) -> list[IndexEntry]:
@@ -157,9 +162,11 @@ def _align(run_a: DumpRun, run_b: DumpRun, step: int, rank: int) -> list[tuple[I
 
 
 def _compare_step(run_a: DumpRun, run_b: DumpRun, step: int, rank: int, rtol_scale: float):
-    """Rows in walk order, and the two values of the first diverging tensor (kept for its diagnosis)."""
+    """Rows in walk order, and the two values of the first diverging tensor and of the first one beyond
+    NUMERIC_FACTOR tolerances (kept for their diagnoses)."""
     rows: list[TensorComparison] = []
     first_values: tuple[np.ndarray, np.ndarray] | None = None
+    gross_values: tuple[np.ndarray, np.ndarray] | None = None
     pairs = _align(run_a, run_b, step, rank)
     dtypes = [_looser_dtype(ea.dtype, eb.dtype) for ea, eb in pairs]
     terms = [0.0 if dtype is None else tolerance(dtype, ea.k).rtol for (ea, _), dtype in zip(pairs, dtypes)]
@@ -170,7 +177,13 @@ def _compare_step(run_a: DumpRun, run_b: DumpRun, step: int, rank: int, rtol_sca
         rows.append(TensorComparison(ea, relative_error(b, a), mean_relative_error(b, a), rtol))
         if rows[-1].diverged and first_values is None:
             first_values = (a, b)
-    return rows, first_values
+        if _gross(rows[-1]) and gross_values is None:
+            gross_values = (a, b)
+    return rows, first_values, gross_values
+
+
+def _gross(row: TensorComparison) -> bool:
+    return row.diverged and not row.max_rel_error <= NUMERIC_FACTOR * row.rtol
 
 
 def _replicas(run: DumpRun, step: int, rank: int, entry: IndexEntry) -> dict[int, np.ndarray]:
@@ -197,18 +210,22 @@ def compare_runs(dir_a, dir_b, rank: int = 0, step: int | None = None, rtol_scal
         raise CompareError(f"no step was dumped by both runs (A: {run_a.steps}, B: {run_b.steps})")
     report = CompareReport(str(dir_a), str(dir_b), rank, common[-1], common)
     for current in common:
-        rows, first_values = _compare_step(run_a, run_b, current, rank, rtol_scale)
+        rows, first_values, gross_values = _compare_step(run_a, run_b, current, rank, rtol_scale)
         first = next((r for r in rows if r.diverged), None)
         report.rows, report.step = rows, current
         if first is None:
             continue
-        report.first = first
-        a, b = first_values
-        forward_clean = first.entry.kind in ("grad", "optimizer")  # the walk puts forward and loss first
         layouts = [run_a.meta.get("layout", {}), run_b.meta.get("layout", {})]
-        replicas = _replicas(run_b, current, rank, first.entry) if first.entry.kind == "grad" else None
-        report.diagnosis = diagnose(first.entry.name, first.entry.kind, first.entry.operator, first.entry.dims,
-                                    a, b, first.rtol, layouts, forward_clean, replicas)
+
+        def diagnosis(row: TensorComparison, values) -> Diagnosis:
+            forward_clean = row.entry.kind in ("grad", "optimizer")  # the walk puts forward and loss first
+            replicas = _replicas(run_b, current, rank, row.entry) if row.entry.kind == "grad" else None
+            return diagnose(row.entry.name, row.entry.kind, row.entry.operator, row.entry.dims, *values, row.rtol,
+                            layouts, forward_clean, replicas)
+        report.first, report.diagnosis = first, diagnosis(first, first_values)
+        gross = next((r for r in rows if _gross(r)), None)
+        if gross is not None and gross is not first:
+            report.gross, report.gross_diagnosis = gross, diagnosis(gross, gross_values)
         break
     return report
 
@@ -250,6 +267,12 @@ def first_divergence_text(report: CompareReport) -> list[str]:
              f"mean rel err {report.first.mean_rel_error:.3e}"]
     if report.diagnosis:
         lines += [f"  category: {report.diagnosis.risk.value}", f"  evidence: {report.diagnosis.evidence}"]
+    if report.gross is not None:
+        g = report.gross
+        lines += [f"first divergence beyond {NUMERIC_FACTOR:g} tolerances: {g.entry.kind} tensor {g.entry.name!r}, "
+                  f"layer {_layer_text(g.entry.layer)}, max rel err {g.max_rel_error:.3e} vs rtol {g.rtol:.2e}",
+                  f"  category: {report.gross_diagnosis.risk.value}",
+                  f"  evidence: {report.gross_diagnosis.evidence}"]
     return lines
 
 
@@ -305,16 +328,19 @@ def plot_layer_errors(report: CompareReport, path) -> Path:
     return path
 
 
+def _divergence_json(row: TensorComparison | None, diagnosis: Diagnosis | None) -> dict | None:
+    return None if row is None else {
+        "name": row.entry.name, "kind": row.entry.kind, "layer": row.entry.layer, "operator": row.entry.operator,
+        "max_rel_error": row.max_rel_error, "rtol": row.rtol,
+        "category": diagnosis.risk.name if diagnosis else None, "evidence": diagnosis.evidence if diagnosis else None}
+
+
 def report_json(report: CompareReport) -> dict:
-    first = report.first
     return {
         "run_a": report.run_a, "run_b": report.run_b, "rank": report.rank, "step": report.step,
         "steps_compared": report.steps_compared,
-        "first_divergence": None if first is None else {
-            "name": first.entry.name, "kind": first.entry.kind, "layer": first.entry.layer,
-            "operator": first.entry.operator, "max_rel_error": first.max_rel_error, "rtol": first.rtol,
-            "category": report.diagnosis.risk.name if report.diagnosis else None,
-            "evidence": report.diagnosis.evidence if report.diagnosis else None},
+        "first_divergence": _divergence_json(report.first, report.diagnosis),
+        "first_gross_divergence": _divergence_json(report.gross, report.gross_diagnosis),
         "tensors": [{"name": r.entry.name, "kind": r.entry.kind, "layer": r.entry.layer,
                      "max_rel_error": r.max_rel_error, "rtol": r.rtol, "diverged": r.diverged}
                     for r in report.rows],

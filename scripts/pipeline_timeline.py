@@ -89,11 +89,34 @@ def main(argv=None) -> int:
     print(f"idle share: measured {100 * result.measured_idle:.1f}%, simulated {100 * result.simulated_idle:.1f}% "
           f"(difference {100 * (result.measured_idle - result.simulated_idle):+.1f} points); simulated bubble "
           f"{100 * result.simulated.bubble_ratio:.1f}%")
-    print(f"the planner's simulator (eager sends, as HCCL's Send/Receive) on the same costs: step "
+    print(f"eager sends (the planner's simulator where a cluster's sends are eager) on the same costs: step "
           f"{result.eager.step_time:.3f} s, idle {100 * idle_share(result.eager):.1f}%, bubble "
           f"{100 * result.eager.bubble_ratio:.1f}%")
+    planned = planner_prediction(out, sched)
+    if planned is not None:
+        print(f"the planner's prediction (its costs of this run's placement, transfers as its cluster runs them): "
+              f"step {planned.step_time:.3f} s, idle {100 * idle_share(planned):.1f}%, compute per stage "
+              + ", ".join(f"{c:.3f}" for c in planned.compute) + " s")
     print(f"wrote {png_dir / 'measured.png'} and {png_dir / 'simulated.png'}")
     return 0
+
+
+def planner_prediction(out: Path, schedule):
+    """The planner's simulation of the run's pipeline: the placement the trainer built for the run's recipe
+    (logs/recipe.yaml), that placement's per-chunk costs from the cost model on the cluster pricing the device,
+    and the transfers as that cluster's transport runs them (`simulate_layout`'s choice); None without the recipe."""
+    path = out / "logs" / "recipe.yaml"
+    if not path.is_file():
+        return None
+    from parallel.pipeline.placement import placement_p2p
+    from parallel.pipeline.simulator import simulate
+    from parallel.pipeline.timeline import simulate_programs
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.workload import recipe_layout, recipe_placement, recipe_workload
+    recipe = load_recipe(str(path))
+    w = recipe_workload(recipe, "ascend910b" if recipe.context.device_target == "Ascend" else "cpu")
+    costs = recipe_placement(recipe).stage_costs(placement_p2p(w, recipe_layout(recipe, w)))
+    return (simulate_programs if w.cluster.runtime.rendezvous_transfers else simulate)(schedule, costs)
 
 
 if __name__ == "__main__":

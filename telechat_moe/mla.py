@@ -85,6 +85,15 @@ def split_last(x, first: int):
     return _SPLIT_LAST(x, first)
 
 
+def sliced(x, first: int):
+    """(x[..., :first], x[..., first:]) as two slices, differentiated apart: the split of a layer under full
+    recompute. Under PyNative's autograd over a compiled chunk (the pipeline executor) a cell with a bprop of its
+    own (split_last) keeps its input for the backward, so recompute does not rerun the matmul that made it:
+    q_b_proj, kv_a_proj_with_mqa and kv_b_proj, 3 matmuls a layer (measured, docs/pipeline.md); graph mode reruns
+    them either way."""
+    return x[..., :first], x[..., first:]
+
+
 def rotate_half(x):
     first, second = split_last(x, x.shape[-1] // 2)
     return ops.cat((-second, first), -1)
@@ -180,6 +189,7 @@ class MultiLatentAttention(nn.Cell):
         self.core = AttentionCore(cfg, device_target, cp.positions() if cp.cp > 1 else None)
         # on CPU one kernel each way (dvm_fusion/rowwise.py) instead of about seven forward and ten backward
         self.rotary = apply_rope if device_target == "Ascend" else rope_cpu
+        self.split = split_last     # `sliced` under full recompute (TeleChatMoE.set_recompute)
 
     def construct(self, x, cos, sin, mask):
         """`mask` is what the attention kernel needs: the segment ids [b, s] (flash) or the additive bias
@@ -193,9 +203,9 @@ class MultiLatentAttention(nn.Cell):
         else:
             q = self.q_proj(x)
         q = q.reshape(b, s, h, self.nope + self.rope).transpose(0, 2, 1, 3)
-        q_nope, q_rot = split_last(q, self.nope)
+        q_nope, q_rot = self.split(q, self.nope)
 
-        latent, k_rot = split_last(self.kv_a_proj_with_mqa(x), self.cfg.kv_lora_rank)
+        latent, k_rot = self.split(self.kv_a_proj_with_mqa(x), self.cfg.kv_lora_rank)
         q_rot = self.rotary(q_rot.astype(ms.float32), cos, sin).astype(q.dtype)
         k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope).astype(ms.float32), cos, sin).astype(q.dtype)
         latent = self.kv_a_layernorm(latent)
@@ -205,11 +215,11 @@ class MultiLatentAttention(nn.Cell):
             # input dtype: the cast it would make anyway, before the gather)
             both = self.context(ops.cat((latent.astype(q.dtype), k_rot.reshape(b, s, self.rope)), -1))
             sk = both.shape[1]
-            latent, k_rot = split_last(both, self.cfg.kv_lora_rank)
+            latent, k_rot = self.split(both, self.cfg.kv_lora_rank)
             k_rot = k_rot.reshape(b, 1, sk, self.rope)
         kv = self.kv_b_proj(latent)
         kv = kv.reshape(b, sk, h, self.nope + self.v_dim).transpose(0, 2, 1, 3)
-        k_nope, v = split_last(kv, self.nope)
+        k_nope, v = self.split(kv, self.nope)
 
         query = ops.cat((q_nope, q_rot), -1)
         key = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, h, sk, self.rope))), -1)

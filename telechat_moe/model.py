@@ -27,7 +27,7 @@ from parallel.cp import ContextParallel, ShardSequence, SumOverContext
 from parallel.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
 from parallel.tp.mappings import TensorParallel
 from telechat_moe.layers import Embedding, RMSNorm, SwiGLU, column_linear, ms_dtype, weight_seed
-from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables
+from telechat_moe.mla import MultiLatentAttention, attention_bias, rope_tables, sliced
 from telechat_moe.moe.dispatch import ExpertParallel
 from telechat_moe.moe.layer import ROUTING_STATS, MoELayer
 from telechat_moe.mtp import MTPBlock
@@ -203,6 +203,7 @@ class TeleChatMoE(nn.Cell):
         for layer in [x for x in self.layers if not isinstance(x, AbsentLayer)] + [block.block for block in self.mtp]:
             if mode == "full":
                 layer.recompute()
+                layer.self_attn.split = sliced      # split_last's own bprop would keep its input (mla.sliced)
             elif mode == "selective":
                 layer.self_attn.core.recompute()
 

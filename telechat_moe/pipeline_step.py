@@ -81,6 +81,15 @@ def stage_plan(recipe, rank: int) -> StagePlan:
                      placement.chunk_layout)
 
 
+def activation_positions(recipe) -> int:
+    """The positions of a sequence that a stage's activation holds, and so the next stage's receive buffer: the
+    rank's context-parallel shard, cut again over tp under sequence parallelism. (A buffer of the whole sequence
+    under cp made the receiver wait for the rest of a message that never came.)"""
+    lay = recipe.layout
+    return recipe.model.seq_length // lay.cp // (lay.tp if recipe.parallel_config.use_seq_parallel and lay.tp > 1
+                                                 else 1)
+
+
 class StageChunk(nn.Cell):
     """Chunk k on its stage (see the module docstring)."""
 
@@ -218,10 +227,8 @@ class PipelineTrainStep:
         # than the validator allows
         self.expected = list(self.schedule.actions[plan.stage])
         self.allowed = validate(self.schedule).peak_in_flight[plan.stage]
-        tp = recipe.layout.tp
         cfg = recipe.model
-        self.tokens_per_rank = cfg.seq_length // tp if recipe.parallel_config.use_seq_parallel and tp > 1 \
-            else cfg.seq_length
+        self.tokens_per_rank = activation_positions(recipe)
         self.executor = PipelineExecutor(self.schedule, recipe.layout, rank, chunks,
                                          (1, self.tokens_per_rank, cfg.hidden_size), ms.float32, device,
                                          accumulator_of=lambda w: by_id[id(w)],

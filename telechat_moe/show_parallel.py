@@ -43,8 +43,9 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     """The bytes per rank the planner's cost model (parallel/planner/cost_model.py) prices for one micro-batch of
     this layout, read off its own blocks on a cluster of unit bandwidth and no latency in one node (so a
     collective's seconds are its ring wire bytes): {(block, group, direction): bytes}. Blocks: dense_layer,
-    moe_layer (tp: the block's communication less its EP all-to-alls; ep: those), embedding, head, mtp_extra (an
-    MTP depth less its MoE layer and the head: the embedding lookup and eh_proj), and step (`gradient_comm` of the
+    moe_layer (tp: the block's communication less its EP all-to-alls, with the router's sums over tp x cp; ep:
+    those), attention (cp: the context gather and its reduce-scatter), embedding, head (cp: its loss summed over
+    cp), mtp_extra (an MTP depth less its MoE layer and the head: the embedding lookup and eh_proj), and step (`gradient_comm` of the
     stage: dp the dense gradients' reduce-scatter plus the weights' all-gather, edp the experts', tp the replicated
     weights' partial gradients and the norm's scalar, ep the norm's scalar). The planner assumes sequence
     parallelism whenever tp > 1. Every group is priced inside one node (so that the seconds are ring bytes): a
@@ -82,6 +83,8 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
     ep_moe = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), Costing(w, lay).ep_all_to_all())}
     # each attention's context-parallel gather (forward) and its reduce-scatter (backward), priced inside the blocks
     cp = {direction: float(t[0]) for direction, t in zip(("forward", "backward"), Costing(w, lay).cp_comm())}
+    # the head's loss summed over cp (forward), priced inside the head's block (and again in MTP's, which cancels)
+    loss_cp = {"forward": float(Costing(w, lay).context_loss_sums(1)[0]), "backward": 0.0}
     redo = 2 if recompute == "full" else 1      # full recompute runs each layer's forward again in its backward
 
     def comm(block, direction):
@@ -101,7 +104,9 @@ def planner_volumes(cfg, layout, batch: int, seq: int | None = None, stage: int 
         out[("moe_layer", "tp", direction)] = comm(b.moe, direction) - ep_moe_dir - cp_dir
         out[("moe_layer", "ep", direction)] = ep_moe_dir
         out[("embedding", "tp", direction)] = comm(b.embedding, direction)
-        out[("head", "tp", direction)] = comm(b.head, direction)
+        out[("head", "tp", direction)] = comm(b.head, direction) - loss_cp[direction]
+        if layout.cp > 1:
+            out[("head", "cp", direction)] = loss_cp[direction]
         out[("mtp_extra", "tp", direction)] = comm(b.mtp, direction) - comm(b.moe, direction) - comm(b.head,
                                                                                                      direction)
     mem = stage_memory(w, lay, b, even_stage(w, lay, np.array([stage])))
@@ -135,6 +140,8 @@ def model_volumes(report: ParallelReport) -> dict:
             out[("embedding", "tp", direction)] = wire(lambda w: w == "embed_tokens")
         if report.has_head:
             out[("head", "tp", direction)] = wire(lambda w: w in ("lm_head", "cross_entropy"))
+            if report.layout.cp > 1:
+                out[("head", "cp", direction)] = wire(lambda w: w == "cross_entropy", ("cp",))
             if any(w.name.startswith("mtp.0.") for w in report.weights):
                 out[("mtp_extra", "tp", direction)] = wire(lambda w: w in ("mtp.0.eh_proj", "embed_tokens@mtp.0"))
     for group in ("dp", "edp", "tp", "ep"):

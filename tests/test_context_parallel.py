@@ -36,17 +36,28 @@ def test_context_parallel_layouts_are_trainable_and_refusals_are_one_line():
     for assignments, world in ((["parallel_config.context_parallel=2"], 2),
                                (["parallel_config.context_parallel=2", "parallel_config.data_parallel=2"], 4),
                                (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
-                                 "parallel_config.use_seq_parallel=true"], 4)):
+                                 "parallel_config.use_seq_parallel=true"], 4),
+                               (["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
+                                 "parallel_config.micro_batch_num=2"], 4)):
         check_trainable(load_recipe("tiny", assignments), processes=world)
-    with pytest.raises(RecipeError, match=r"^parallel_config.context_parallel: 2 with pipeline_stage=2 is not "
-                                          r"trained yet"):
-        check_trainable(load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.pipeline_stage=2",
-                                             "parallel_config.micro_batch_num=2"]), processes=4)
     r = load_recipe("tiny", ["parallel_config.context_parallel=2", "parallel_config.model_parallel=2"])
     r.model.seq_length = 132        # divisible by cp x tp, not by 2 x cp x tp
     with pytest.raises(RecipeError) as e:
         check_trainable(r, processes=4)
     assert str(e.value).startswith("model.seq_length: 132") and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_pipeline_stage_passes_the_activation_of_its_context_shard():
+    """Under pipeline parallelism the next stage's receive buffer holds the rank's positions: its cp shard, cut
+    again over tp under sequence parallelism (a buffer of the whole sequence made a cp=2 x pp=2 run wait in its first
+    step). pp=2 x cp=2 trains the one-process steps: bench.layout_agreement, docs/attention.md."""
+    from telechat_moe.pipeline_step import activation_positions
+    pipeline = ["parallel_config.pipeline_stage=2", "parallel_config.micro_batch_num=2"]
+    for sets, positions in (([], 128), (["parallel_config.context_parallel=2"], 64),
+                            (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",
+                              "parallel_config.use_seq_parallel=true"], 32),
+                            (["parallel_config.context_parallel=2", "parallel_config.model_parallel=2"], 64)):
+        assert activation_positions(load_recipe("tiny", pipeline + sets)) == positions, sets
 
 
 def test_context_parallel_training_matches_one_process(tmp_path, one_process_tiny):
@@ -67,21 +78,22 @@ def test_context_parallel_training_matches_one_process(tmp_path, one_process_tin
 
 
 def test_the_long_context_recipe_is_the_planners_pick_with_cp_and_fits():
-    """recipes/105b-32k.yaml (105B, 16 sequences of 32K on 256 devices): the planner's best layouts split the sequence
-    (cp > 1), the recipe holds the best one, its dry run fits the device, and one process stops only at the process
-    count (the layout trains)."""
+    """recipes/105b-32k.yaml (105B, 16 sequences of 32K on 256 devices): the planner's top ten (ILP-balanced and
+    simulated, as `python -m telechat_moe.plan` lists them) split the sequence (cp > 1), the recipe holds the best one,
+    its dry run fits the device, and one process stops only at the process count (the layout trains)."""
+    from parallel.planner.refine import refine
     from parallel.planner.search import search
     from telechat_moe.dry_run import fit_problem
     from telechat_moe.workload import recipe_workload
     recipe = load_recipe("105b-32k")
     lay = recipe.layout
     w = recipe_workload(recipe, "ascend910b", lay.world_size)
-    result = search(w)
-    top = [result.layouts.row(int(i)) for i in result.ranked()[:10]]
-    assert top and all(x.cp > 1 for x in top), [x.cp for x in top]
+    top = refine(w, search(w), 10)
+    assert top and all(c.layout.cp > 1 for c in top), [c.layout.cp for c in top]
     best = top[0]
-    assert (best.dp, best.tp, best.cp, best.pp, best.ep) == (lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
-    assert result.scores["memory"][result.ranked()[0]] <= w.cluster.usable_memory
+    assert (best.layout.dp, best.layout.tp, best.layout.cp, best.layout.pp, best.layout.ep) == (
+        lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
+    assert best.scores["memory"] <= w.cluster.usable_memory
     assert fit_problem(recipe, 0.0, has_ascend=True) is None
     with pytest.raises(RecipeError, match="but 1 process was launched"):
         check_trainable(recipe, processes=1)

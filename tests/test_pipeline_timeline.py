@@ -50,6 +50,42 @@ def test_a_rendezvous_holds_the_sender_where_an_eager_send_does_not():
     assert sum(programs.compute) == pytest.approx(sum(eager.compute)) == pytest.approx(4 * (1 + 1 + 1 + 5))
 
 
+@pytest.mark.parametrize("name,p,v,m", [("1f1b", 4, 1, 8), ("interleaved", 2, 2, 8), ("dualpipev", 2, 2, 4)])
+def test_programs_count_activations_and_in_pass_communication_as_the_simulator(name, p, v, m):
+    """Activation memory is held from a forward's start to its backward's end in both simulations; with free
+    transfers, a chunk's in-pass communication is exposed time of its stage in both (DualPipeV's paired actions
+    excepted: the eager simulator overlaps a pair's communication, the executor runs them one after the other)."""
+    schedule = build(name, p, v, m)
+    costs = StageCosts.uniform(p, v, forward=v, backward=2 * v, comm_fraction=0.25)
+    programs, eager = simulate_programs(schedule, costs), simulate(schedule, costs)
+    assert programs.peak_activation == eager.peak_activation
+    assert sum(programs.exposed_comm) == pytest.approx(m * p * v * 0.25 * 3)
+    if name != "dualpipev":
+        assert programs.exposed_comm == pytest.approx(eager.exposed_comm)
+
+
+def test_the_planner_simulates_the_transfers_its_cluster_runs():
+    """The CPU cluster's transfers are rendezvous (cluster.Runtime.rendezvous_transfers): the planner's simulation
+    of a layout there is the stages' executor programs; Ascend's sends are eager: the event-driven simulator."""
+    import dataclasses
+    from parallel.layout import ParallelLayout
+    from parallel.planner.cluster import load_cluster
+    from parallel.planner.simulate import pipeline_costs, simulate_layout
+    from parallel.planner.stage_ilp import even_assignment
+    from telechat_moe.recipe import load_recipe
+    from telechat_moe.workload import recipe_workload
+    cpu = recipe_workload(load_recipe("tiny"), "cpu")
+    assert cpu.cluster.runtime.rendezvous_transfers
+    eager_cluster = dataclasses.replace(cpu.cluster, runtime=dataclasses.replace(cpu.cluster.runtime,
+                                                                                 rendezvous_transfers=False))
+    assert not load_cluster("ascend910b").runtime.rendezvous_transfers
+    layout = ParallelLayout(pp=2, vpp=2, dp=1, micro_batch_num=8)
+    for w, run in ((cpu, simulate_programs), (dataclasses.replace(cpu, cluster=eager_cluster), simulate)):
+        costs = pipeline_costs(w, layout, even_assignment(w, layout))
+        expected = run(build("interleaved", 2, 2, 8), costs)
+        assert simulate_layout(w, layout).result.step_time == pytest.approx(expected.step_time)
+
+
 def _two_stages() -> list[StageTimeline]:
     """1F1B at p=2, m=2 as two ranks might record it (seconds on one clock): stage 0 runs F0 F1 B0 B1, stage 1
     F0 B0 F1 B1; each transfer recorded by both ends, the later arrival's record the shorter."""

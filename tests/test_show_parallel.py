@@ -206,6 +206,9 @@ def ring(g, nbytes, all_reduce=False):
     ("105b", ["model.moe_expert_capacity_factor=1.25"]),
     ("1t", ["model.moe_token_dispatcher_type=alltoall"]),     # (the recipe's hierarchical form is priced flat)
     ("1t", ["model.moe_token_dispatcher_type=alltoall", "model.moe_expert_capacity_factor=1.0"]),
+    ("tiny", ["parallel_config.context_parallel=2", "parallel_config.model_parallel=2",       # router sums over tp x cp
+              "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=2",
+              "model.moe_z_loss_coeff=0.001"]),
 ])
 def test_planner_prices_the_collectives_the_model_issues(name, sets):
     """Per block and direction, the model's wire bytes (the report, which the test above checks against the model)
@@ -236,14 +239,15 @@ def test_planner_prices_the_collectives_the_model_issues(name, sets):
     lay, cfg = recipe.layout, recipe.model
     model = model_volumes(rep)
     planner = planner_volumes(cfg, lay, rep.batch, rep.seq, rep.stage, recipe.recompute_config.mode)
-    t, ep = lay.tp, lay.ep
-    b, s, h, E, k = rep.batch, rep.seq, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    t, ep, cp = lay.tp, lay.ep, lay.cp
+    b, s, h, E, k = rep.batch, rep.seq // cp, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     T, ab, f32 = b * s, {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.compute_dtype], 4
     assert lay.sp and t > 1                      # the planner's assumption
     redo = 2 if recipe.recompute_config.mode == "full" else 1
     layer = 4 * ring(t, T * h * ab)
-    router = 2 * ring(t, b * E * 4, True) + (cfg.moe_device_aux_loss_coeff > 0) * 2 * ring(t, E * 4, True) \
-        + (cfg.moe_z_loss_coeff > 0) * ring(t, 4, True)
+    g = t * cp                                   # the ranks that route a sequence's positions
+    router = 2 * ring(g, b * E * 4, True) + (cfg.moe_device_aux_loss_coeff > 0) * 2 * ring(g, E * 4, True) \
+        + (cfg.moe_z_loss_coeff > 0) * ring(g, 4, True)
     lookup = ring(t, T * h * f32)
     cf, c = cfg.moe_expert_capacity_factor, cfg.moe_comm_chunks
     copies = T // t // c * k                     # each token slice exchanges its own copies, pads and counts
@@ -261,6 +265,10 @@ def test_planner_prices_the_collectives_the_model_issues(name, sets):
         ("step", "tp", "step"): ring(t, partial * 4, True) + ring(t, 4, True),
         ("step", "ep", "step"): ring(ep, 4, True),
     }
+    if cp > 1:      # MLA's latent and rotated key gathered over cp (backward: reduce-scatter); the loss's parts
+        gather = ring(cp, b * s * cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * ab)
+        expect[("attention", "cp", "forward")], expect[("attention", "cp", "backward")] = gather, redo * gather
+        expect[("head", "cp", "forward")], expect[("head", "cp", "backward")] = ring(cp, 4, True), 0
     if rep.layers[0] < cfg.first_k_dense_replace:
         expect[("dense_layer", "tp", "forward")] = layer
         expect[("dense_layer", "tp", "backward")] = redo * layer

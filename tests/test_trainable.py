@@ -65,14 +65,13 @@ def test_every_searched_layout_of_1t_on_4096_devices_trains(tmp_path):
 
 def test_each_switch_is_one_line(monkeypatch):
     """Expert tensor parallelism, context parallelism (and it under a pipeline) and DualPipeV are trainable by their
-    switch alone (all on but context parallelism under a pipeline)."""
+    switch alone (all on)."""
     s = load_recipe("1t").model.to_model_shape()
     w = Workload(s, load_cluster("ascend910b"), devices=4096, seq_length=8192, global_batch=2048)
     etp = dict(tp=4, pp=16, ep=4, etp=4)
     assert trainable.refusal(s, 8192, **etp) is None
     assert trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2) is None
-    assert "context_parallel: 2 with pipeline_stage=16 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1,
-                                                                                                cp=2)
+    assert trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2) is None
     assert trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev") is None
     assert set(enumerate_layouts(w)[0].etp) == {1, 2, 4, 8}
     monkeypatch.setattr(trainable, "EXPERT_TENSOR_PARALLEL_TRAINS", False)
@@ -83,9 +82,10 @@ def test_each_switch_is_one_line(monkeypatch):
     assert "context_parallel: 2 is not trained yet" in trainable.refusal(s, 8192, 4, 1, 4, 1, cp=2)
     assert "dualpipev is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1, schedule="dualpipev")
     assert set(enumerate_layouts(w)[0].etp) == {1}
-    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_WITH_PIPELINE", True)
     monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_TRAINS", True)
-    assert trainable.refusal(s, 8192, 4, 16, 4, 1, cp=2) is None
+    monkeypatch.setattr(trainable, "CONTEXT_PARALLEL_WITH_PIPELINE", False)
+    assert "context_parallel: 2 with pipeline_stage=16 is not trained yet" in trainable.refusal(s, 8192, 4, 16, 4, 1,
+                                                                                                cp=2)
 
 
 def test_vectorised_and_one_layout_agree():

@@ -144,8 +144,15 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
                 free[s] = end + n * costs.p2p
                 exposed[s] += n * costs.p2p
     step = max(free)  # every transfer ends before the compute that receives it
+    return SimResult(schedule, step, tuple(compute), tuple(exposed), peak_activation(schedule, costs, start_of, finish),
+                     tuple(intervals))
+
+
+def peak_activation(schedule: Schedule, costs: StageCosts, start_of: dict, finish: dict) -> tuple[float, ...]:
+    """Per stage, the most activation memory held at once: (stage, chunk)'s from its forward's start
+    (`start_of[(stage, action)]`) to its backward's end (`finish`)."""
     peak = []
-    for s in range(p):
+    for s in range(schedule.stages):
         events = []
         for a in schedule.actions[s]:
             if a.kind is Kind.F:
@@ -157,7 +164,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             held += delta
             top = max(top, held)
         peak.append(top)
-    return SimResult(schedule, step, tuple(compute), tuple(exposed), tuple(peak), tuple(intervals))
+    return tuple(peak)
 
 
 def gantt(result: SimResult, path: str, title: str | None = None) -> None:

@@ -28,7 +28,7 @@ from statistics import median
 
 from parallel.pipeline.executor import Compute, program
 from parallel.pipeline.schedules import Action, Kind, Schedule, build
-from parallel.pipeline.simulator import Interval, SimResult, StageCosts, simulate
+from parallel.pipeline.simulator import Interval, SimResult, StageCosts, peak_activation, simulate
 
 
 @dataclass(frozen=True)
@@ -133,22 +133,29 @@ def measured_costs(timelines: list[StageTimeline]) -> StageCosts:
 
 def simulate_programs(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Each stage runs its executor program in order; a transfer between two stages starts when both have reached
-    it and takes `costs.p2p` on both (see the module docstring); a hand-over inside a stage costs nothing."""
+    it and takes `costs.p2p` on both (see the module docstring); a hand-over inside a stage costs nothing. An
+    action takes its compute and then its in-pass communication (exposed: the executor runs DualPipeV's paired
+    actions one after the other, so nothing overlaps). Activation memory as `simulator.simulate` counts it."""
     p = schedule.stages
     programs = [program(schedule, s) for s in range(p)]
     at, clock = [0] * p, [0.0] * p
     compute, exposed = [0.0] * p, [0.0] * p
     intervals = []
+    start_of, finish = {}, {}
     while any(at[s] < len(programs[s]) for s in range(p)):
         moved = False
         for s in range(p):
             while at[s] < len(programs[s]):
                 e = programs[s][at[s]]
                 if isinstance(e, Compute):
-                    cost = costs.compute(s, e.action)
-                    intervals.append(Interval(s, clock[s], clock[s] + cost, e.action.kind.value, (e.action,), cost))
-                    clock[s] += cost
+                    cost, comm = costs.compute(s, e.action), costs.comm(s, e.action)
+                    intervals.append(Interval(s, clock[s], clock[s] + cost + comm, e.action.kind.value, (e.action,),
+                                              cost))
+                    start_of[(s, e.action)] = clock[s]
+                    clock[s] += cost + comm
+                    finish[(s, e.action)] = clock[s]
                     compute[s] += cost
+                    exposed[s] += comm
                 elif e.src != e.dst:
                     peer = e.dst if e.src == s else e.src
                     if at[peer] >= len(programs[peer]) or programs[peer][at[peer]] != e:
@@ -164,8 +171,8 @@ def simulate_programs(schedule: Schedule, costs: StageCosts) -> SimResult:
                 moved = True
         if not moved:
             raise RuntimeError("the executor programs deadlock")   # cannot happen: the global order is a total one
-    return SimResult(schedule, max(clock), tuple(compute), tuple(exposed), tuple(0.0 for _ in range(p)),
-                     tuple(intervals))
+    return SimResult(schedule, max(clock), tuple(compute), tuple(exposed),
+                     peak_activation(schedule, costs, start_of, finish), tuple(intervals))
 
 
 def compare(timelines: list[StageTimeline]) -> TimelineComparison:

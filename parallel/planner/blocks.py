@@ -138,9 +138,9 @@ class BlockCosting(Costing):
                              a2a_f)
         exposed_b = np.where(overlap, np.maximum(expert_bwd, a2a_b) + np.minimum(expert_bwd, a2a_b) / 2 - expert_bwd,
                              a2a_b)
-        # around attention and around the shared expert, and the router's sums over tp
-        tp_f, tp_b = (t + c for t, c in zip(self.tp_comm(tp_traffic.moe_layer(*self.sp_args(), E, s.device_aux_loss,
-                                                                               s.z_loss)), self.cp_comm()))
+        # around attention and around the shared expert, the router's sums over tp (x cp), the context gather
+        tp_f, tp_b = (t + r + c for t, r, c in zip(self.tp_comm(tp_traffic.moe_layer(*self.sp_args())),
+                                                   self.router_comm(), self.cp_comm()))
         # the expert block's tensors have the exchange buffer's rows (padding included)
         flat_rows, inner_rows = self.ep_copies()
         nodes, _ = self.group_span(self.ep, self.etp)
@@ -197,6 +197,7 @@ class BlockCosting(Costing):
         fwd = f + loss + self.stream(self.ab * self.Tl * 4 * s.hidden_size) + self.ops(10)
         bwd = b + loss + self.ops(12)
         comm_f, comm_b = self.tp_comm(tp_traffic.head(*self.sp_args(), s.tie_embeddings))
+        comm_f = comm_f + self.context_loss_sums(1)     # the head's loss summed over cp
         zz = np.zeros((3, n))
         params = block_parameters(s, self.tp, 1)
         dense = params["vocab"] + params["final_norm"]

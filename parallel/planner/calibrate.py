@@ -72,7 +72,7 @@ def fit_runtime(cluster: Cluster, measured: list[dict]) -> tuple[Runtime, list[d
         x, _ = nnls(a / scale / y[:, None], b / y)  # relative errors: steps of different sizes
         fitted.update(zip(names, (x / scale).tolist()))
     fitted["compute_scale"] = max(fitted["compute_scale"], 1e-3)
-    runtime = Runtime(keeps_op_outputs=True, devices_share_cores=True, **fitted)
+    runtime = Runtime(keeps_op_outputs=True, devices_share_cores=True, rendezvous_transfers=True, **fitted)
     report = [{"name": m["name"], **{k: m[k] for k in ("step_time", "step_memory") if k in m},
                "predicted": step_prediction(_on(m["workload"], cluster, runtime), m["layouts"])} for m in measured]
     return runtime, report

@@ -47,6 +47,10 @@ class Runtime:
     usable memory; without it the usable memory is the framework's memory pool (MindSpore's max_device_memory) and
     they are allocated beside it, by the collective library and the driver, in the rest of the device memory.
 
+    With rendezvous_transfers a pipeline transfer holds both of its ends until both have reached it (the CPU
+    transport: an all-reduce on the pair's group), so the planner's simulation runs each stage's executor program
+    (parallel.pipeline.timeline.simulate_programs); without it a send is eager (parallel.pipeline.simulator).
+
     reference_step_time is the seconds of one step of the calibration's reference probe
     (telechat_moe.calibration.REFERENCE) when these constants were fitted: the machine speed they hold for (0: not
     fitted on training steps). A shared machine's speed drifts; that probe's step measured beside another run says
@@ -64,6 +68,7 @@ class Runtime:
     graph_memory: float = 0.0
     communicator_memory: float = 0.0
     fixed_memory_in_pool: bool = True
+    rendezvous_transfers: bool = False
     reference_step_time: float = 0.0
 
 

@@ -93,14 +93,16 @@ class Costing:
         """Seconds of an all-reduce of `nbytes`: a reduce-scatter and an all-gather of the buffer (ring)."""
         return 2 * self.all_gather(nbytes, size, stride)
 
-    def tp_time(self, collectives, direction: str):
-        """Seconds of a piece's tensor-parallel collectives (tp_traffic's) in one direction of the pass."""
+    def tp_time(self, collectives, direction: str, group=None):
+        """Seconds of a piece's tensor-parallel collectives (tp_traffic's) in one direction of the pass, over the tp
+        group or over `group` ranks next to each other (tp x cp: the router's sums under context parallelism)."""
+        size = self.tp if group is None else group
         t = np.zeros(len(self.lay))
         for c in collectives:
             if c.direction == direction:
-                nbytes = c.payload(self.tp, self.role_bytes[c.dtype])
-                t = t + (self.all_reduce(nbytes, self.tp) if c.kind == "all_reduce" else
-                         self.all_gather(nbytes, self.tp))
+                nbytes = c.payload(size, self.role_bytes[c.dtype])
+                t = t + (self.all_reduce(nbytes, size) if c.kind == "all_reduce" else
+                         self.all_gather(nbytes, size))
         return t
 
     def tp_comm(self, collectives):
@@ -120,6 +122,18 @@ class Costing:
                  else 2 * kv_per_device(s, self.tp)[0] / (2 * s.hidden_size))
         t = self.all_gather(self.mbs * self.w.seq_length * width * self.ab, self.cp, self.tp)
         return t, t
+
+    def router_comm(self):
+        """(forward, backward) seconds of an MoE layer's router statistics summed over the ranks that route a
+        sequence's positions: tp, times cp under context parallelism (parallel.cp.ContextParallel.tokens)."""
+        group = self.tp * self.cp
+        sums = tp_traffic.router_sums(self.mbs, group, self.s.num_routed_experts, self.s.device_aux_loss,
+                                      self.s.z_loss)
+        return self.tp_time(sums, "forward", group), self.tp_time(sums, "backward", group)
+
+    def context_loss_sums(self, losses: int):
+        """Forward seconds of `losses` scalar losses summed over cp (parallel.cp.SumOverContext), 0 at cp = 1."""
+        return losses * self.all_reduce(FP32, self.cp)
 
     def ops(self, n):
         return n * self.c.op_overhead

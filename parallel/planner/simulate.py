@@ -15,6 +15,7 @@ import numpy as np
 from parallel.layout import ParallelLayout
 from parallel.pipeline.schedules import ChunkLayout, build
 from parallel.pipeline.simulator import SimResult, StageCosts, simulate
+from parallel.pipeline.timeline import simulate_programs
 from parallel.planner.blocks import block_costs
 from parallel.planner.cost_model import p2p_time, stage_memory, stage_parts, summarise, update_time
 from parallel.planner.stage_ilp import StageAssignment, chunk_layout, chunk_plans, even_assignment, schedule_name
@@ -46,12 +47,15 @@ class Simulation:
 
 def simulate_layout(w: Workload, layout: ParallelLayout, a: StageAssignment | None = None,
                     schedule: str | None = None) -> Simulation:
-    """Step time and per-stage peak memory of one layout from the event-driven simulator."""
+    """Step time and per-stage peak memory of one layout from the event-driven simulator: eager sends, or where
+    the cluster's transfers are rendezvous (the CPU transport) the stages' executor programs."""
     chunks = chunk_layout(layout, schedule)
     a = a or even_assignment(w, layout, chunks)
     pp, v = layout.pp, layout.vpp
-    sim = simulate(build(schedule_name(layout, schedule), pp, v, layout.micro_batch_num),
-                   pipeline_costs(w, layout, a, chunks))
+    # the transfers as the cluster's transport runs them (cluster.Runtime.rendezvous_transfers)
+    run = simulate_programs if w.cluster.runtime.rendezvous_transfers else simulate
+    sim = run(build(schedule_name(layout, schedule), pp, v, layout.micro_batch_num),
+              pipeline_costs(w, layout, a, chunks))
     lay = Layouts.of(layout).take(np.zeros(pp * v, int))
     b = block_costs(w, lay)
     st = chunk_plans(layout, [a], chunks)

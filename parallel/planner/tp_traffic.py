@@ -162,11 +162,11 @@ def dense_layer(s, b, t, h, sp: bool = True):
     return region(s, b, t, h, sp) + region(s, b, t, h, sp)
 
 
-def moe_layer(s, b, t, h, experts: int, device_aux: bool, z_loss: bool, sp: bool = True):
-    """An MoE decoder layer's tensor-parallel part: the attention region, the router's sums, the token split
-    (without sequence parallelism) and the shared expert's region. The routed experts' all-to-alls are EP's."""
-    return (region(s, b, t, h, sp) + router_sums(b, t, experts, device_aux, z_loss) + moe_token_split(s, b, t, h, sp)
-            + region(s, b, t, h, sp))
+def moe_layer(s, b, t, h, sp: bool = True):
+    """An MoE decoder layer's tensor-parallel part: the attention region, the token split (without sequence
+    parallelism) and the shared expert's region. The router's sums are `router_sums` over the ranks routing a
+    sequence's positions (tp, times cp under context parallelism); the routed experts' all-to-alls are EP's."""
+    return region(s, b, t, h, sp) + moe_token_split(s, b, t, h, sp) + region(s, b, t, h, sp)
 
 
 def head(s, b, t, h, tied: bool, sp: bool = True):

@@ -17,7 +17,7 @@ import numpy as np
 
 # ---- what is trained; each a one-line switch for the engine that lands it ------------------------------------
 CONTEXT_PARALLEL_TRAINS = True            # parallel/cp (context_parallel > 1)
-CONTEXT_PARALLEL_WITH_PIPELINE = False    # cp > 1 under pipeline_stage > 1 (a cp=2 x pp=2 run waited in step 1)
+CONTEXT_PARALLEL_WITH_PIPELINE = True     # cp > 1 under pipeline_stage > 1 (pp=2 x cp=2 trains)
 EXPERT_TENSOR_PARALLEL_TRAINS = True      # the expert FFN split over expert_model_parallel ranks
 TRAINED_SCHEDULES = ("1f1b", "interleaved", "gpipe", "dualpipev")   # what telechat_moe/pipeline_step.py runs
 # the expert exchanges the trainer builds (telechat_moe/moe/dispatch.py), in the planner's names; `local` (every
@@ -48,8 +48,9 @@ def rules(shape, seq_length, tp, pp, ep, etp, cp=1, sp=True, ep_scheme="flat", s
     return [
         Rule((cp == 1) | CONTEXT_PARALLEL_TRAINS, NOT_TRAINED.replace("{key}", "parallel_config.context_parallel")
              .replace("{value}", "{cp}")),
-        # parallel/cp: each rank a front and a back block of every sequence, split over tp; not under a pipeline
-        # yet (a cp=2 x pp=2 run waited in its first step)
+        # parallel/cp: each rank a front and a back block of every sequence, split over tp; under a pipeline the
+        # stages pass activations of the rank's positions (pipeline_step: a cp=2 x pp=2 run once waited for a
+        # whole sequence's activation in its first step)
         Rule((cp == 1) | (seq_length % (2 * cp * tp) == 0),
              "model.seq_length: {seq} is not divisible by 2*context_parallel*model_parallel = 2*{cp}*{tp} (each "
              "context-parallel rank holds a front and a back block of every sequence, split over tp)"),
