@@ -76,7 +76,9 @@ def step_collective_bytes(w: Workload, lay: Layouts, st, distributed) -> dict[st
     moe_layers = st.moe_by_mode.sum(axis=0)
     moe = w.shape.num_routed_experts > 0
     E = w.shape.num_routed_experts
-    moe_tp = tp_traffic.moe_layer(*args, E, w.shape.device_aux_loss, w.shape.z_loss) if moe else ()
+    # around attention and the shared expert, and the router's sums over the ranks routing a sequence (tp x cp)
+    moe_tp = (tp_traffic.moe_layer(*args) + tp_traffic.router_sums(c.mbs, c.tp * c.cp, E, w.shape.device_aux_loss,
+                                                                 w.shape.z_loss)) if moe else ()
     _add(per_micro, _tp_bytes(c, tp_traffic.embedding_lookup(*args, True)), st.embedding)
     _add(per_micro, _tp_bytes(c, tp_traffic.dense_layer(*args), full), dense_layers)
     _add(per_micro, _tp_bytes(c, moe_tp, full), moe_layers)
