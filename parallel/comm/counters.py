@@ -2,11 +2,11 @@
 and the bytes of the tensor that enters it, when it runs.
 
 `counting(True)` before the parallel modules build their transports makes `transport_for` wrap each one (of a group
-of more than one rank) in `CountingTransport`. Every collective call then passes its input's element count and dtype to a host callback
-(`ops.Custom(func_type="pyfunc")`), tied to the collective by `ops.depend`, so the count happens each time the
-compiled graph runs the collective, forward and backward alike, and holds the bytes of that call's actual tensor
-(an uneven all-to-all's rows known only at run time included). A callback costs a host round trip per collective:
-counting is for measurement runs (the trainer's `profile.collectives`), never on by default.
+of more than one rank) in `CountingTransport`. Every collective call then passes its input's element count and dtype
+to a host callback (`ops.Custom(func_type="pyfunc")`), tied to the collective by `ops.depend`, so the count happens
+each time the compiled graph runs the collective, forward and backward alike, and holds the bytes of that call's
+actual tensor (an uneven all-to-all's rows known only at run time included). A callback costs a host round trip per
+collective: counting is for measurement runs (the trainer's `profile.collectives`), never on by default.
 
 What is counted is the collective's contract, not how a transport moves it: on CPU an all-gather over a sub-group is
 made of an all-reduce of g times the bytes (transport.py), and it counts as one all-gather of its input. Bytes are

@@ -11,8 +11,9 @@ point-to-point transfer's sent tensor):
   parallelism the rows' exchange over etp (`expert_exchange_bytes`);
 - the step (`cost_model.gradient_comm`'s terms): the distributed optimizer's reduce-scatter of the float32
   gradients and all-gather of the updated weights over the dense (dp x cp) and the expert-data-parallel groups, the
-  tp all-reduce of the weights replicated over tp; without the distributed optimizer those groups all-reduce the
-  gradients; the gradient norm's scalar sums are left out (a few 4-byte all-reduces, which the bench names);
+  tp all-reduce of the weights replicated over tp, and under pipeline parallelism with MTP the embedding's gradient
+  summed with its last-stage copy's; without the distributed optimizer those groups all-reduce the gradients;
+  the gradient norm's scalar sums are left out (a few 4-byte all-reduces, which the bench names);
 - pipeline: each micro-batch's hidden state sent to the next stage from every chunk but the model's last, and its
   gradient to the previous one from every chunk but the first (`cost_model.p2p_time`'s bytes).
 Under the flat EP scheme only (the bench's layouts run in one node); context parallelism's gathers are left out.
@@ -99,5 +100,6 @@ def step_collective_bytes(w: Workload, lay: Layouts, st, distributed) -> dict[st
         out["reduce_scatter"] = out["reduce_scatter"] + np.where(distributed, reduced, 0.0)
         out["all_gather"] = out["all_gather"] + np.where(distributed, reduced / group * p.param_bytes / FP32, 0.0)
         out["all_reduce"] = out["all_reduce"] + np.where(distributed, 0.0, reduced)
-    out["all_reduce"] = out["all_reduce"] + (lay.tp > 1) * mem["replicated_params"] * FP32
+    out["all_reduce"] = (out["all_reduce"] + (lay.tp > 1) * mem["replicated_params"] * FP32
+                         + mem["pair_params"] * p.grad_bytes)
     return out
