@@ -197,10 +197,14 @@ def _replicas(run: DumpRun, step: int, rank: int, entry: IndexEntry) -> dict[int
     return replicas
 
 
-def compare_runs(dir_a, dir_b, rank: int = 0, step: int | None = None, rtol_scale: float = 1.0) -> CompareReport:
-    """Compare every step both runs dumped (or `step`); report the first divergence of the earliest step."""
+def compare_runs(dir_a, dir_b, rank: int = 0, step: int | None = None, rtol_scale: float = 1.0,
+                 same_model: bool = True) -> CompareReport:
+    """Compare every step both runs dumped (or `step`); report the first divergence of the earliest step.
+    `same_model=False` compares runs whose model configurations differ (a control run whose initial weights were
+    moved by one ulp through the initializer's range hashes as another model)."""
     run_a, run_b = open_run(dir_a), open_run(dir_b)
-    _check_comparable(run_a, run_b)
+    if same_model:
+        _check_comparable(run_a, run_b)
     common = sorted(set(run_a.steps) & set(run_b.steps))
     if step is not None:
         if step not in common:

@@ -22,11 +22,13 @@ import yaml
 from mindspore import Tensor, nn, ops
 
 from dvm_fusion.grouped_matmul import KERNEL_CLOCK
+from parallel.comm.counters import counting
 from parallel.cp import ContextParallel
 from parallel.layout import Axis
 from parallel.tp.mappings import TensorParallel
 from telechat_moe.batches import (SampleLog, batch_tensors, prepare_run_data, publish_tokenizer, source_shares,
                                   train_loader)
+from telechat_moe.collectives_log import CollectiveLog
 from telechat_moe.checkpoint import Shard, load_checkpoint, preflight, resume_point, save_checkpoint
 from telechat_moe.context import configure_mindspore  # noqa: F401  (the entry points' import)
 from telechat_moe.evaluation import Evaluate, held_out_share
@@ -74,6 +76,7 @@ class Trainer:
              f"{self.data.tokenizer.vocab_size} ({tm.seconds:.2f}s)", self.main)
 
         device = recipe.context.device_target
+        counting(recipe.profile.collectives)    # before any transport is built (parallel/comm/counters.py)
         self.ep = ExpertParallel.of(recipe.layout, rank, cfg.moe_token_dispatcher_type, device,
                                     recipe.expert_placement.spare_slots)
         self.tp = TensorParallel.of(recipe.layout, rank, device)
@@ -129,6 +132,7 @@ class Trainer:
             if t.dump_steps else None
         self.profiler = StepProfiler.of(recipe, rank)     # MindSpore's profiler around profile.steps
         self.timeline = None        # the pipeline's per-step timeline file (TimelineLog), opened by _begin
+        self.collectives = None     # each step's counted collectives (CollectiveLog), opened by _begin
 
         shape = cfg.to_model_shape()
         from parallel.planner.model_shape import flops_per_token
@@ -155,7 +159,8 @@ class Trainer:
         planned = static_memory(self.r)["per_stage"][self.r.layout.coords(self.rank)[Axis.PP]]["held"]
         info(f"[memory] rank {self.rank} holds {self.held_bytes:,} bytes of weights, optimizer state and gradient "
              f"buffers; the dry run says {planned:,.0f} for its stage ({self.held_bytes / planned - 1:+.2%}); "
-             f"optimizer {'distributed' if self.sliced_state else 'replicated'}", True)
+             f"optimizer {'distributed' if self.sliced_state else 'replicated'}; "
+             f"{sum(w.size for w in self.weights):,} trainable parameters", True)
 
     # -- data --
     def _prepare_data(self):
@@ -350,6 +355,8 @@ class Trainer:
         self.logger.open(self.step)
         if self.pipeline is not None:
             self.timeline = TimelineLog(self.out, self.rank, self.r.layout, self.pipeline.schedule, self.step)
+        if self.r.profile.collectives:
+            self.collectives = CollectiveLog(self.out, self.rank, self.step)
 
     def fit(self) -> dict:
         t = self.r.training
@@ -368,6 +375,8 @@ class Trainer:
                 start = time.perf_counter()
                 values, loads = self.train_step(batch)
                 self.logger.step_time(time.perf_counter() - start)
+                if self.collectives is not None:
+                    self.collectives.write(self.step + 1, self.weights)
                 if samples is not None:
                     samples.write(self.step + 1, self.loader)
                 self.profiler.after(self.step + 1, self.logger.step_times[-1])
@@ -394,6 +403,8 @@ class Trainer:
             self.profiler.close()
             if self.timeline is not None:
                 self.timeline.close()
+            if self.collectives is not None:
+                self.collectives.close()
         summary = {**last, "eval_lm_loss": eval_loss}
         if self.main:
             (self.out / "logs" / "summary.json").write_text(json.dumps(summary, indent=1))

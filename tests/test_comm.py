@@ -103,3 +103,64 @@ def test_native_uneven_all_to_all_binds_the_installed_alltoallv(monkeypatch):
     assert send.dtype == recv.dtype == ms.int64
     assert send.asnumpy().tolist() == [2, 3] and recv.asnumpy().tolist() == [4, 1]
     assert moved == [("CPU", True)] * 2
+
+
+class _Doubling:
+    """A stand-in transport for one rank of a 2-rank tp group: the values are not a real group's, the shapes are."""
+    def __init__(self):
+        self.group = Group("tp_0_2_abcdef012345", (0, 1), 0)
+
+    def all_reduce(self, x):
+        return x * 2
+
+    def all_gather(self, x):
+        return ops.concat((x, x), 0)
+
+    def reduce_scatter(self, x):
+        return x[:x.shape[0] // 2]
+
+
+def test_counting_transport_counts_each_collective_each_time_a_graph_runs():
+    """parallel/comm/counters.py: inside a compiled graph, each collective call counts its kind, group and the bytes
+    entering it every time the graph runs, the backward's (the Cells' bprop) too; the values are the inner
+    transport's; transport_for wraps only while counting is on, and never a group of one rank."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import Tensor, nn
+    from parallel.comm.collectives import AllReduce, GatherFromGroup
+    from parallel.comm.counters import COUNTERS, CountingTransport, by_kind, counting
+    from parallel.comm.transport import SelfTransport, transport_for
+
+    counted = CountingTransport(_Doubling())
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = ms.Parameter(Tensor(np.ones((4, 3), np.float32)))
+            self.sum, self.gather = AllReduce(counted), GatherFromGroup(counted)
+
+        def construct(self, x):
+            return (self.gather(self.sum(ops.matmul(x, self.w))) ** 2).sum()
+
+    net = Net()
+    step = ms.jit(ms.value_and_grad(net, None, net.trainable_params()))
+    x = Tensor(np.ones((2, 4), np.float32))
+    COUNTERS.take()
+    for _ in range(2):
+        loss, grads = step(x)
+        [g.asnumpy() for g in grads]         # every collective of the run feeds the gradients
+        records = COUNTERS.take()
+        assert float(loss.asnumpy()) == 4 * 3 * 8 ** 2      # [4, 3] gathered, each 4 doubled
+        # forward: all-reduce of [2, 3] and all-gather of [2, 3]; backward: reduce-scatter of [4, 3], all-reduce [2, 3]
+        assert {(r["kind"], r["group"], r["size"], r["calls"], r["bytes"]) for r in records} == {
+            ("all_reduce", "tp", 2, 2, 48), ("all_gather", "tp", 2, 1, 24), ("reduce_scatter", "tp", 2, 1, 48)}
+        assert by_kind(records) == {"all_reduce": 48, "reduce_scatter": 48, "all_gather": 24, "all_to_all": 0,
+                                    "broadcast": 0, "p2p": 0}
+    pair = Group("p2p_0_2_abcdef012345", (0, 1), 0)
+    assert not isinstance(transport_for(pair, "CPU"), CountingTransport)
+    counting(True)
+    try:
+        assert isinstance(transport_for(pair, "CPU"), CountingTransport)
+        assert isinstance(transport_for(Group("", (0,), 0), "CPU"), SelfTransport)
+    finally:
+        counting(False)

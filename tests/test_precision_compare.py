@@ -293,6 +293,8 @@ def test_cli_rejects_incomparable_runs(tmp_path):
     _expect_rc2(run_cli(a, dump(tmp_path / "shape", bad_shape)), "'loss'", "shape")
     _expect_rc2(run_cli(a, dump(tmp_path / "model", fake_step(), {**META, "model_config_hash": "abc"})),
                 "different models")
+    # a control run whose initializer range moved by one ulp hashes as another model; the bench compares it on purpose
+    assert compare_runs(a, tmp_path / "model", same_model=False).first is None
     _expect_rc2(run_cli(a, tmp_path / "nowhere"), "no such dump directory")
     (tmp_path / "empty").mkdir()
     _expect_rc2(run_cli(a, tmp_path / "empty"), "no run.json")

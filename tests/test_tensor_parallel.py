@@ -19,6 +19,7 @@ from parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEm
 from tests.conftest import PARALLEL_COMMON
 from tests.helpers import assert_losses_match, assert_no_divergence, msrun, run_cli, run_workers
 from tests.test_data_parallel import assert_memory_lines
+from telechat_moe.recipe import load_recipe
 from tests.test_training import NO_EVAL, SHORT, metrics, sets
 
 CASES = {"seeded init", "column", "column gather_output", "column sequence_parallel", "row", "row sequence_parallel",
@@ -122,7 +123,32 @@ def test_tensor_and_expert_parallel_training_matches_one_process_and_reshards(tm
     assert_losses_match(one, tp1, (3,), "resumed at tp=1 x ep=1")
 
     shutil.copytree(tp2, tp4)
-    msrun_train("tp4", "training.train_steps=3", "parallel_config.model_parallel=4",
-                "parallel_config.use_seq_parallel=true", "parallel_config.expert_parallel=2",
-                "parallel_config.expert_model_parallel=2", f"output_dir={tp4}", resume=True)
+    tp4_layout = ["parallel_config.model_parallel=4", "parallel_config.use_seq_parallel=true",
+                  "parallel_config.expert_parallel=2", "parallel_config.expert_model_parallel=2"]
+    msrun_train("tp4", "training.train_steps=3", *tp4_layout, "profile.collectives=true", f"output_dir={tp4}",
+                resume=True)
     assert_losses_match(one, tp4, (3,), "resumed at tp=4 with sequence parallelism x ep=2 x etp=2")
+    plan_against_run(load_recipe("tiny", [*common, *tp4_layout]), tp4, tmp_path / "tp4_logs", step=3)
+
+
+def plan_against_run(recipe, out, log_dir, step: int) -> None:
+    """bench/plan_vs_run.py's rows of a run: each rank's parameters and held bytes are the planner's (plus what the
+    planner leaves out: the routers' expert_bias, E float32 per MoE layer, and the optimizer's learning rate and
+    step), and its collective bytes of `step` by kind, counted as the comm layer issued them, are the planner's
+    (the mean over the ranks: a rank's exchanges receive what routing sends it), plus the gradient norm's 4-byte
+    sums, which the planner leaves out."""
+    from bench.plan_vs_run import KINDS, SCALARS, measured_figures, planner_figures
+    logs = "".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("worker_*.log")))
+    world = recipe.layout.world_size
+    measured, planned = measured_figures(out, logs, world, step), planner_figures(recipe, 0)
+    m = recipe.model
+    biases = 4 * m.n_routed_experts * (m.num_hidden_layers - m.first_k_dense_replace + m.num_nextn_predict_layers)
+    for rank, row in enumerate(measured):
+        print(f"rank {rank}: measured {row}")
+        assert row["params"] == planned["params"], (rank, row["params"], planned["params"])
+        assert row["held"] == planned["held"] + biases + 8, (rank, row["held"], planned["held"])
+    print(f"planned {planned}")
+    for kind in KINDS:
+        mean = sum(row[kind] for row in measured) / world
+        norm_sums = SCALARS if kind == "all_reduce" else 0
+        assert planned[kind] <= mean <= planned[kind] + norm_sums, (kind, mean, planned[kind])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
+from parallel.comm.counters import CountingTransport, counting_enabled
 from parallel.comm.groups import Group, world_group_name
 
 
@@ -164,7 +165,8 @@ class SelfTransport:
 
 
 def transport_for(group: Group, device_target: str):
-    """The transport of `group` on this machine."""
+    """The transport of `group` on this machine, counted when counters are on (counters.py)."""
     if group.size == 1:
         return SelfTransport(group)
-    return CpuTransport(group) if device_target == "CPU" else NativeTransport(group)
+    transport = CpuTransport(group) if device_target == "CPU" else NativeTransport(group)
+    return CountingTransport(transport) if counting_enabled() else transport

@@ -153,7 +153,9 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     largest transient of one block)."""
     p, d = w.precision, w.shape.mtp_depth
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
-    # MTP's copy of the embedding on a last stage apart from it (model_shape.stage_parameters)
+    # MTP's copy of the embedding on a last stage apart from it (model_shape.stage_parameters); its gradient and the
+    # first stage's are summed over the pair of stages (telechat_moe/pipeline_step.py: SumShared)
+    copies = (d > 0 and not w.shape.tie_embeddings) * np.logical_xor(st.embedding > 0, st.last > 0)
     dense = dense + st.last * (1 - st.embedding) * (d > 0 and not w.shape.tie_embeddings) * b.embedding.dense_params
     largest_act = st.last * (d > 0) * _pick(b.mtp.act, st.mtp_mode)  # the largest block's kept activations
     replicated = st.last * (b.head.replicated_params + d * b.mtp.replicated_params)
@@ -186,7 +188,8 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
            "activation_per_microbatch": (1 - offload) * act,
            "activations": (1 - offload) * act * in_flight(lay, st.stage),
            "transient": transient + offload * 2 * largest_act,
-           "dense_params": dense, "expert_params": expert, "replicated_params": replicated}
+           "dense_params": dense, "expert_params": expert, "replicated_params": replicated,
+           "pair_params": copies * b.embedding.dense_params}
     transient = out["transient"]
     if rt.keeps_op_outputs:  # see cluster.Runtime: nothing is freed or reused inside a step
         graphs = np.where(lay.m > 1, 2.0, 1.0)
@@ -226,7 +229,9 @@ def gradient_comm(w: Workload, lay: Layouts, mem: dict) -> dict[str, np.ndarray]
     """Seconds of a stage's gradient collectives of one step, by group: 'dp' / 'edp' the dense and the expert
     weights' (ZeRO-1) gradient reduce-scatter and parameter all-gather, each as (reduce-scatter, all-gather); 'tp'
     the all-reduce of the weights replicated over tp (their partial gradients) and of the gradient norm's tp scalar;
-    'ep' the norm's scalar over the EP group. `mem`: stage_memory's dense_params, expert_params, replicated_params."""
+    'ep' the norm's scalar over the EP group; 'pair' the embedding's gradient summed with its MTP copy's over the
+    first and the last stage (across nodes). `mem`: stage_memory's dense_params, expert_params, replicated_params,
+    pair_params."""
     p, c = w.precision, Costing(w, lay)
     edp, ep = (lay.dp * lay.cp * lay.tp) / (lay.ep * lay.etp), lay.ep * lay.etp
     dense, expert = mem["dense_params"], mem["expert_params"]
@@ -235,7 +240,8 @@ def gradient_comm(w: Workload, lay: Layouts, mem: dict) -> dict[str, np.ndarray]
                    c.all_gather(dense * p.param_bytes, dense_group, c.tp)),
             "edp": (c.all_gather(expert * p.grad_bytes, edp, ep), c.all_gather(expert * p.param_bytes, edp, ep)),
             "tp": c.all_reduce(mem["replicated_params"] * p.grad_bytes, c.tp) + c.all_reduce(FP32, c.tp),
-            "ep": c.all_reduce(FP32, c.ep, c.etp)}
+            "ep": c.all_reduce(FP32, c.ep, c.etp),
+            "pair": c.all_reduce(mem["pair_params"] * p.grad_bytes, 2.0, c.dpn)}
 
 
 def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
@@ -248,7 +254,7 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     g = gradient_comm(w, lay, mem)
     rs, ag = g["dp"][0] + g["edp"][0], g["dp"][1] + g["edp"][1]
     exposed = np.maximum(0.0, rs - bwd) + np.maximum(0.0, ag - fwd) if w.overlap_grad_reduce else rs + ag
-    exposed = exposed + g["tp"] + g["ep"]
+    exposed = exposed + g["tp"] + g["ep"] + g["pair"]
     per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * p.master + p.param_bytes
     shards_d = c.dp * c.cp if w.shard_optimizer else 1.0
     shards_e = edp if w.shard_optimizer else 1.0

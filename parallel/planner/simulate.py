@@ -64,7 +64,7 @@ def simulate_layout(w: Workload, layout: ParallelLayout, a: StageAssignment | No
     per_stage = lambda x: x.reshape(pp, v).sum(axis=1)  # noqa: E731
     fwd = per_stage(parts["fwd_compute"] + parts["fwd_comm"])
     bwd = per_stage(parts["bwd_compute"] + parts["bwd_comm"])
-    params = {k: per_stage(mem[k]) for k in ("dense_params", "expert_params", "replicated_params")}
+    params = {k: per_stage(mem[k]) for k in ("dense_params", "expert_params", "replicated_params", "pair_params")}
     step = sim.step_time + float(update_time(w, lay.take(np.zeros(pp, int)), params, fwd, bwd).max())
     static = per_stage(mem["static"]) + mem["transient"].reshape(pp, v).max(axis=1)
     memory = [float(x) for x in static + np.array(sim.peak_activation)]

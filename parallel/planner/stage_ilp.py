@@ -167,7 +167,8 @@ def score_assignment(w: Workload, layout: ParallelLayout, a: StageAssignment, sc
     where = chunk_layout(layout, schedule)
     st = chunk_plans(layout, [a], where)
     mem = stage_memory(w, chunks, block_costs(w, chunks), st)
-    per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1) for k in ("dense_params", "expert_params", "replicated_params")}
+    per_stage = {k: mem[k].reshape(pp, -1).sum(axis=1)
+                 for k in ("dense_params", "expert_params", "replicated_params", "pair_params")}
     t = r["chunk_time"][0]
     on_period = step_terms(where, pp, layout.vpp, layout.micro_batch_num)[0]
     p2p = p2p_time(w, one)

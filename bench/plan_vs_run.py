@@ -1,0 +1,170 @@
+"""The planner's figures beside a run's, per rank: parameters, the bytes held between steps (weights, optimizer
+state, gradient buffers), and each kind of collective's bytes in a step, as the comm layer's counters saw them.
+
+    .venv/bin/python -m bench.plan_vs_run [--layout "dp2" --layout "tp2 sp" ...] [--recipe tiny] [--steps 3]
+        [--set KEY=VALUE] [--out DIR] [--markdown FILE]
+
+Each layout (bench.layout_agreement's tokens: dpN tpN ppN vppN epN etpN mN sp ...) trains `--steps` steps under msrun
+with `profile.collectives: true` (parallel/comm/counters.py: each collective counted as it runs, kind, group and the
+bytes of its input) and no held-out evaluation. Measured, per rank: its start-up `[memory]` line (the bytes its
+weights, optimizer state and gradient buffers hold as allocated, and its trainable parameters) and its
+logs/collectives line of step 2 (the step's own collectives). The planner's, per rank: `cost_model.stage_memory`
+(parameters; weights + optimizer + gradient buffers, model_shape.rank_static_bytes) and
+`step_traffic.step_collective_bytes` (the cost model's communication terms as bytes) for the rank's pipeline stage
+as the trainer cuts the model (dry_run.stage_holdings), the same micro-batches and the same optimizer. A row agrees
+within 1%; a kind the planner leaves out (the gradient norm's 4-byte sums) is named. One row per pipeline stage, the
+mean over its ranks (each rank's expert exchange receives what routing sends it; together they receive what they
+sent). Runs go one at a time through
+the tests' machine-wide msrun lock.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.layout_agreement import parse_layout
+from oneline import OneLineParser
+from parallel.layout import Axis
+from tests.helpers import msrun, run_cli
+
+LAYOUTS = ("dp2", "tp2 sp", "dp2 ep2", "pp2 m2", "pp2 vpp2 m4", "dp2 tp2 sp", "pp2 dp2 m2", "dp2 tp2 sp ep2 etp2")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
+MEMORY = re.compile(r"\[memory\] rank (\d+) holds ([\d,]+) bytes .* ([\d,]+) trainable parameters")
+WITHIN = 0.01
+SCALARS = 64        # bytes: a kind whose only difference is this small is the gradient norm's scalar sums
+
+
+def planner_figures(recipe, rank: int) -> dict:
+    """The planner's figures for world rank `rank` of the recipe's layout (module docstring)."""
+    from parallel.planner.blocks import block_costs
+    from parallel.planner.cost_model import StagePlan, even_stage, stage_memory
+    from parallel.planner.step_traffic import step_collective_bytes
+    from parallel.planner.workload import Layouts
+    from telechat_moe.dry_run import distributed_optimizer, stage_holdings
+    from telechat_moe.workload import recipe_layout, recipe_workload
+    w = recipe_workload(recipe, "ascend910b")   # bytes only: any cluster whose runtime frees buffers
+    lay = Layouts.of(recipe_layout(recipe, w))
+    stage = recipe.layout.coords(rank)[Axis.PP]
+    holdings = stage_holdings(recipe)
+    if holdings is None:
+        st = even_stage(w, lay, np.array([stage]))
+    else:
+        held = holdings[stage]
+        dense = sum(1 for layer in held.layers if layer < w.shape.first_k_dense)
+        onehot = (np.arange(3)[:, None] == lay.recompute[None]).astype(np.float64)
+        st = StagePlan(stage=np.array([stage]), dense_by_mode=onehot * dense,
+                       moe_by_mode=onehot * (len(held.layers) - dense), embedding=np.array([float(held.first)]),
+                       last=np.array([float(held.last)]), mtp_mode=lay.recompute)
+    mem = stage_memory(w, lay, block_costs(w, lay), st)
+    out = {"stage": stage, "params": float((mem["dense_params"] + mem["expert_params"])[0]),
+           "held": float((mem["weights"] + mem["optimizer"] + mem["grad_buffers"])[0])}
+    traffic = step_collective_bytes(w, lay, st, distributed_optimizer(recipe))
+    return {**out, **{k: float(np.asarray(v).reshape(-1)[0]) for k, v in traffic.items()}}
+
+
+def measured_figures(out: Path, logs: str, world: int, step: int) -> list[dict]:
+    from telechat_moe.collectives_log import read_step
+    held = {int(r): (int(b.replace(",", "")), int(p.replace(",", ""))) for r, b, p in MEMORY.findall(logs)}
+    rows = []
+    for rank in range(world):
+        line = read_step(out, rank, step)
+        rows.append({"held": held[rank][0], "params": held[rank][1], **{k: line["bytes_by_kind"].get(k, 0)
+                                                                       for k in KINDS},
+                     "calls": {k: sum(c["calls"] for c in line["collectives"] if c["kind"] == k) for k in KINDS}})
+    return rows
+
+
+def verdict(planned: float, measured: float) -> str:
+    if planned == measured:
+        return "="
+    error = (measured - planned) / planned if planned else float("inf")
+    if abs(error) <= WITHIN:
+        return f"{100 * error:+.2f}%"
+    if abs(measured - planned) <= SCALARS:
+        return f"{measured - planned:+.0f} B (norm sums)"
+    return f"{100 * error:+.1f}% DIFFERS" if planned else "DIFFERS"
+
+
+def train(layout, common: list[str], out: Path, steps: int, tokenizer: Path | None) -> str:
+    args = ["run_train.py", "--recipe", common[0]]
+    for s in [*layout.assignments, *common[1:], f"training.train_steps={steps}", "training.eval_interval=0",
+              "training.eval_batches=0", "training.save_interval=0", "training.log_interval=1",
+              "profile.collectives=true", f"output_dir={out}",
+              *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]:
+        args += ["--set", s]
+    if layout.world == 1:
+        proc = run_cli(*args, timeout=3600)
+        logs = proc.stdout + proc.stderr
+    else:
+        proc, logs = msrun(layout.world, out.parent / f"{out.name}_logs", *args, cluster_time_out=120, timeout=3600)
+        logs = "".join(p.read_text(errors="replace") for p in (out.parent / f"{out.name}_logs").glob("worker_*.log"))
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.plan_vs_run: {layout.name} failed (exit {proc.returncode}):\n{logs[-4000:]}")
+    return logs
+
+
+def rows_of(name: str, recipe, measured: list[dict]) -> tuple[list[str], int]:
+    """One row per pipeline stage: the planner's figures against the mean over the stage's ranks (a rank's expert
+    exchange receives what routing sends it; the stage's ranks together receive what they sent)."""
+    lines, differs = [], 0
+    stages: dict[int, list[int]] = {}
+    for rank in range(len(measured)):
+        stages.setdefault(recipe.layout.coords(rank)[Axis.PP], []).append(rank)
+    for stage, ranks in sorted(stages.items()):
+        p = planner_figures(recipe, ranks[0])
+        cells = [name, str(stage), ",".join(map(str, ranks))]
+        for key in ("params", "held", *KINDS):
+            m = sum(measured[r][key] for r in ranks) / len(ranks)
+            v = verdict(p[key], m)
+            differs += "DIFFERS" in v
+            cells.append(f"{p[key]:,.0f} / {m:,.0f} ({v})" if p[key] or m else "0")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines, differs
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="python -m bench.plan_vs_run", description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", action="append", help=f"a layout (repeatable; default {', '.join(LAYOUTS)})")
+    ap.add_argument("--recipe", default="tiny")
+    ap.add_argument("--steps", type=int, default=3, help="steps per run (the table reads step 2)")
+    ap.add_argument("--set", action="append", default=[], help="a recipe assignment for every run (repeatable)")
+    ap.add_argument("--out", help="keep the runs here (default: a temporary folder, removed)")
+    ap.add_argument("--markdown", help="also write the table to this file")
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps: at least 2 (the table reads step 2)")
+    layouts = [parse_layout(text) for text in (args.layout or LAYOUTS)]
+    root = Path(args.out or tempfile.mkdtemp(prefix="plan_vs_run."))
+    from telechat_moe.recipe import load_recipe
+    header = ["layout", "stage", "ranks", "parameters", "held bytes", *KINDS]
+    lines = [f"{args.recipe}, step 2 of {args.steps}: planner / measured (error); bytes per rank and step, "
+             f"collectives by the bytes entering them", "", "| " + " | ".join(header) + " |",
+             "|" + " --- |" * len(header)]
+    differs, tokenizer = 0, None
+    try:
+        for layout in layouts:
+            out = root / layout.name.replace(" ", "_")
+            logs = train(layout, [args.recipe, *args.set], out, args.steps, tokenizer)
+            tokenizer = tokenizer or out / "tokenizer.model"
+            recipe = load_recipe(args.recipe, [*args.set, *layout.assignments])
+            rows, bad = rows_of(layout.name, recipe, measured_figures(out, logs, layout.world, 2))
+            differs += bad
+            lines += rows
+            print(rows[-1], file=sys.stderr, flush=True)
+    finally:
+        if not args.out:
+            shutil.rmtree(root, ignore_errors=True)
+    text = "\n".join(lines + ["", f"{differs} figure(s) differ by more than {100 * WITHIN:.0f}%"])
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
