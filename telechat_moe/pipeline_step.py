@@ -90,6 +90,15 @@ def activation_positions(recipe) -> int:
                                                  else 1)
 
 
+def reuse_layers(recipe) -> bool:
+    """Whether the decoder layers share one compiled graph per kind (context.lazy_inline). Not under pp x ep: the
+    expert exchange's sizes depend on the data, and under the executor's PyNative autograd a chunk holding two MoE
+    layers of one shared graph met the other layer's size in its backward ("UnsortedSegmentSum: segment_ids value
+    should be [0, 505)" at step 1, pp2 x dp2 x ep2); with a graph per layer it trains equal to one process
+    (docs/pipeline.md)."""
+    return recipe.context.lazy_inline and not (recipe.layout.pp > 1 and recipe.layout.ep > 1)
+
+
 class StageChunk(nn.Cell):
     """Chunk k on its stage (see the module docstring)."""
 

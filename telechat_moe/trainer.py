@@ -45,7 +45,7 @@ from telechat_moe.moe.router import expert_bias_delta
 from telechat_moe.optim import lr_at
 from telechat_moe.optimizer_state import OptimizerCheckpoint, held_bytes
 from telechat_moe.pipeline_log import TimelineLog
-from telechat_moe.pipeline_step import PipelineTrainStep, stage_plan
+from telechat_moe.pipeline_step import PipelineTrainStep, reuse_layers, stage_plan
 from telechat_moe.profiling import StepProfiler
 from telechat_moe.recipe_schema import Recipe
 from telechat_moe.step_dump import StepDumps
@@ -87,7 +87,7 @@ class Trainer:
         if self.plan:
             info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} (chunk k on stage k % "
                  f"{self.stages}); placement:\n{self.plan.description}", self.main)
-        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, recipe.context.lazy_inline, self.cp)
+        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, reuse_layers(recipe), self.cp)
         self.model.set_recompute(recipe.recompute_config.mode)
         self.groups = GradientGroups.of(recipe.layout, rank, device)
         self._tp_axes = self.model.tp_split_axes()
