@@ -87,7 +87,7 @@ class Trainer:
         if self.plan:
             info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} (chunk k on stage k % "
                  f"{self.stages}); placement:\n{self.plan.description}", self.main)
-        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, reuse_layers(recipe), self.cp)
+        self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, reuse_layers(recipe, self.plan), self.cp)
         self.model.set_recompute(recipe.recompute_config.mode)
         self.groups = GradientGroups.of(recipe.layout, rank, device)
         self._tp_axes = self.model.tp_split_axes()
