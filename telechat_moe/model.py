@@ -158,7 +158,12 @@ class TeleChatMoE(nn.Cell):
         head_kwargs = {} if tp.tp == 1 else {"sequence_parallel": tp.sp}
         self.lm_head = None if cfg.tie_word_embeddings or not tail else column_linear(
             cfg.hidden_size, cfg.vocab_size, std, ms.float32, weight_seed(seed, "lm_head"), tp, **head_kwargs)
-        self.vocab_cross_entropy = VocabParallelCrossEntropy(tp.transport) if tp.tp > 1 and tail else None
+        # one per loss (the LM's, each MTP depth's): under the pipeline executor's PyNative autograd over a compiled
+        # chunk, one instance called twice gave the LM loss a backward 0.4-0.7% off (pp2 x tp2 with MTP: the final
+        # norm's weight gradient; docs/pipeline.md)
+        self.vocab_cross_entropy = nn.CellList([
+            VocabParallelCrossEntropy(tp.transport) for _ in range(1 + cfg.num_nextn_predict_layers)]) \
+            if tp.tp > 1 and tail else None
         # on CPU one kernel each way for the loss per position (dvm_fusion/rowwise.py)
         self.fused_cross_entropy = CrossEntropyCPU() if device_target != "Ascend" else None
         self.mtp = nn.CellList([
@@ -241,14 +246,14 @@ class TeleChatMoE(nn.Cell):
             return out.reshape(-1, out.shape[-1])
         return self.head_matmul(h.reshape(-1, h.shape[-1]).astype(ms.float32), self.embed_tokens.weight)
 
-    def loss(self, logits, labels, mask):
+    def loss(self, logits, labels, mask, depth: int = 0):
         """`cross_entropy` of this rank's logits against the whole sequences' `labels` and `mask` [b, s]:
         vocab-parallel over tp (parallel.tp.VocabParallelCrossEntropy); over cp the mean of the rank's positions
         made its part of the whole sequences' mean and summed over the group (parallel.cp.SumOverContext)."""
         whole_mask = mask
         labels, mask = self.context_shard(labels), self.context_shard(mask)
         if self.vocab_cross_entropy is not None:
-            mean = self.vocab_cross_entropy(logits, labels, mask)
+            mean = self.vocab_cross_entropy[depth](logits, labels, mask)
         else:
             mean = self.cross_entropy(logits, labels, mask, self.fused_cross_entropy)
         if self.sum_over_context is not None:
@@ -302,14 +307,14 @@ class TeleChatMoE(nn.Cell):
         lm_loss = self.loss(self.logits(self.norm(h)), labels, loss_mask)
         mtp_loss = ops.zeros((), ms.float32)   # a tensor also without MTP blocks: the step reads every loss's value
         next_ids, mtp_mask = labels, loss_mask
-        for block in self.mtp:
+        for d, block in enumerate(self.mtp):
             # Depth d sees the embedding of token i+d and predicts token i+d+1; the last d positions have no target.
             mtp_labels = ops.cat((next_ids[:, 1:], next_ids[:, -1:]), 1)
             mtp_mask = ops.cat((mtp_mask[:, 1:], ops.zeros_like(mtp_mask[:, -1:])), 1)
             h, a, zz, load = block(h, self.embed(next_ids), cos, sin, bias)
             aux, z = aux + a, z + zz
             loads.append(load)
-            mtp_loss = mtp_loss + self.loss(self.logits(h), mtp_labels, mtp_mask)
+            mtp_loss = mtp_loss + self.loss(self.logits(h), mtp_labels, mtp_mask, 1 + d)
             next_ids = mtp_labels
         if self.mtp:
             mtp_loss = mtp_loss / len(self.mtp)
