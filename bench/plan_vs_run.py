@@ -16,6 +16,13 @@ within 1%; a kind the planner leaves out (the gradient norm's 4-byte sums) is na
 mean over its ranks (each rank's expert exchange receives what routing sends it; together they receive what they
 sent). Runs go one at a time through
 the tests' machine-wide msrun lock.
+
+Matmul FLOPs per rank and step, within 5%: measured, the FLOPs of the matmul kernels the rank ran in step 2
+(`profile.steps=2` and `fusion.save_graphs=true`; telechat_moe/executed_flops.py joins the profiler's kernels to the
+IR's shapes by full scope name); the planner's, model_shape.flops_per_token's matmul terms (attention projections,
+dense FFN, router + routed + shared experts, head, MTP; 3 x forward, 4 x for layers under full recompute) for the
+layers of the rank's stage, times the tokens of its data-parallel share. The attention core (FlashAttention kernels)
+is in neither. Not priced with tp > 1 or cp > 1 (the planner's FLOPs model has no replicated-projection split).
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ LAYOUTS = ("dp2", "tp2 sp", "dp2 ep2", "pp2 m2", "pp2 vpp2 m4", "dp2 tp2 sp", "p
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 MEMORY = re.compile(r"\[memory\] rank (\d+) holds ([\d,]+) bytes .* ([\d,]+) trainable parameters")
 WITHIN = 0.01
+FLOPS_WITHIN = 0.05
 SCALARS = 64        # bytes: a kind whose only difference is this small is the gradient norm's scalar sums
 
 
@@ -67,15 +75,39 @@ def planner_figures(recipe, rank: int) -> dict:
     return {**out, **{k: float(np.asarray(v).reshape(-1)[0]) for k, v in traffic.items()}}
 
 
+def planner_matmul_flops(recipe, stage: int) -> float | None:
+    """The planner's matmul FLOPs per rank and step on pipeline stage `stage` (module docstring); None with tp or cp."""
+    from parallel.planner import model_shape as ms_
+    from telechat_moe.dry_run import stage_holdings
+    from telechat_moe.workload import recipe_workload
+    lay = recipe.layout
+    if lay.tp > 1 or lay.cp > 1:
+        return None
+    w = recipe_workload(recipe, "ascend910b")
+    s = w.shape
+    holdings = stage_holdings(recipe)
+    layers = range(s.num_layers) if holdings is None else sorted(holdings[stage].layers)
+    last = holdings is None or holdings[stage].last
+    forward = sum(ms_.attention_projection_flops(s) + (2 * ms_.dense_ffn_params(s) if layer < s.first_k_dense
+                                                      else ms_.moe_ffn_flops(s)) for layer in layers)
+    parts = ms_.flops_per_token(s, w.seq_length)
+    tail = parts["forward_head"] + parts["forward_mtp"] - s.mtp_depth * ms_.attention_core_flops(s, w.seq_length)
+    layer_passes = 4 if recipe.recompute_config.recompute else 3
+    tokens = w.global_batch * w.seq_length / lay.dp
+    return tokens * (layer_passes * forward + (3 * tail if last else 0.0))
+
+
 def measured_figures(out: Path, logs: str, world: int, step: int) -> list[dict]:
     from telechat_moe.collectives_log import read_step
+    from telechat_moe.executed_flops import executed_flops
     held = {int(r): (int(b.replace(",", "")), int(p.replace(",", ""))) for r, b, p in MEMORY.findall(logs)}
     rows = []
     for rank in range(world):
         line = read_step(out, rank, step)
         rows.append({"held": held[rank][0], "params": held[rank][1], **{k: line["bytes_by_kind"].get(k, 0)
                                                                        for k in KINDS},
-                     "calls": {k: sum(c["calls"] for c in line["collectives"] if c["kind"] == k) for k in KINDS}})
+                     "calls": {k: sum(c["calls"] for c in line["collectives"] if c["kind"] == k) for k in KINDS},
+                     "matmul_flops": executed_flops(out / "profile", out / "graphs", rank, step).flops})
     return rows
 
 
@@ -94,7 +126,7 @@ def train(layout, common: list[str], out: Path, steps: int, tokenizer: Path | No
     args = ["run_train.py", "--recipe", common[0]]
     for s in [*layout.assignments, *common[1:], f"training.train_steps={steps}", "training.eval_interval=0",
               "training.eval_batches=0", "training.save_interval=0", "training.log_interval=1",
-              "profile.collectives=true", f"output_dir={out}",
+              "profile.collectives=true", "profile.steps=2", "fusion.save_graphs=true", f"output_dir={out}",
               *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]:
         args += ["--set", s]
     if layout.world == 1:
@@ -123,6 +155,12 @@ def rows_of(name: str, recipe, measured: list[dict]) -> tuple[list[str], int]:
             v = verdict(p[key], m)
             differs += "DIFFERS" in v
             cells.append(f"{p[key]:,.0f} / {m:,.0f} ({v})" if p[key] or m else "0")
+        planned, m = planner_matmul_flops(recipe, stage), sum(measured[r]["matmul_flops"] for r in ranks) / len(ranks)
+        error = None if planned is None else (m - planned) / planned
+        differs += error is not None and abs(error) > FLOPS_WITHIN
+        cells.append(f"- / {m / 1e9:.3f} G (not priced)" if error is None else
+                     f"{planned / 1e9:.3f} / {m / 1e9:.3f} G ({100 * error:+.2f}%"
+                     f"{' DIFFERS' if abs(error) > FLOPS_WITHIN else ''})")
         lines.append("| " + " | ".join(cells) + " |")
     return lines, differs
 
@@ -141,9 +179,9 @@ def main(argv=None) -> int:
     layouts = [parse_layout(text) for text in (args.layout or LAYOUTS)]
     root = Path(args.out or tempfile.mkdtemp(prefix="plan_vs_run."))
     from telechat_moe.recipe import load_recipe
-    header = ["layout", "stage", "ranks", "parameters", "held bytes", *KINDS]
+    header = ["layout", "stage", "ranks", "parameters", "held bytes", *KINDS, "matmul FLOPs"]
     lines = [f"{args.recipe}, step 2 of {args.steps}: planner / measured (error); bytes per rank and step, "
-             f"collectives by the bytes entering them", "", "| " + " | ".join(header) + " |",
+             f"collectives by the bytes entering them; matmul FLOPs per rank and step (attention core excluded)", "", "| " + " | ".join(header) + " |",
              "|" + " --- |" * len(header)]
     differs, tokenizer = 0, None
     try:
@@ -159,7 +197,8 @@ def main(argv=None) -> int:
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
-    text = "\n".join(lines + ["", f"{differs} figure(s) differ by more than {100 * WITHIN:.0f}%"])
+    text = "\n".join(lines + ["", f"{differs} figure(s) differ by more than {100 * WITHIN:.0f}% (matmul FLOPs: "
+                                   f"{100 * FLOPS_WITHIN:.0f}%)"])
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
