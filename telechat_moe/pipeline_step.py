@@ -90,13 +90,18 @@ def activation_positions(recipe) -> int:
                                                  else 1)
 
 
-def reuse_layers(recipe) -> bool:
-    """Whether the decoder layers share one compiled graph per kind (context.lazy_inline). Not under pp x ep: the
-    expert exchange's sizes depend on the data, and under the executor's PyNative autograd a chunk holding two MoE
-    layers of one shared graph met the other layer's size in its backward ("UnsortedSegmentSum: segment_ids value
-    should be [0, 505)" at step 1, pp2 x dp2 x ep2); with a graph per layer it trains equal to one process
-    (docs/pipeline.md)."""
-    return recipe.context.lazy_inline and not (recipe.layout.pp > 1 and recipe.layout.ep > 1)
+def reuse_layers(recipe, plan: StagePlan | None) -> bool:
+    """Whether the decoder layers share one compiled graph per kind (context.lazy_inline). Not under pp x ep where a
+    chunk holds two layers or more (MTP's block counts on the last): the expert exchange's sizes depend on the data,
+    and under the executor's PyNative autograd such a chunk met the other layer's size in its backward
+    ("UnsortedSegmentSum: segment_ids value should be [0, 505)" at step 1, pp2 x dp2 x ep2); with a graph per layer
+    it trains (docs/pipeline.md)."""
+    if plan is None or recipe.layout.ep == 1:
+        return recipe.context.lazy_inline
+    last = len(plan.bounds) - 1
+    mtp = recipe.model.num_nextn_predict_layers
+    crowded = any(end - start + (mtp if k == last else 0) > 1 for k, (start, end) in enumerate(plan.bounds))
+    return recipe.context.lazy_inline and not crowded
 
 
 class StageChunk(nn.Cell):
