@@ -19,13 +19,15 @@ the tests' machine-wide msrun lock.
 
 Matmul FLOPs per rank and step, within 5%: measured, the FLOPs of the matmul kernels the rank ran in step 2
 (`profile.steps=2` and `fusion.save_graphs=true`; telechat_moe/executed_flops.py joins the profiler's kernels to the
-IR's shapes by full scope name); the planner's, model_shape.flops_per_token's matmul terms (attention projections,
+IR's shapes by full scope name; under ep, the grouped matmuls at the routed rows the step log's ep_rows_sent
+counts); the planner's, model_shape.flops_per_token's matmul terms (attention projections,
 dense FFN, router + routed + shared experts, head, MTP; 3 x forward, 4 x for layers under full recompute) for the
 layers of the rank's stage, times the tokens of its data-parallel share. The attention core (FlashAttention kernels)
 is in neither. Not priced with tp > 1 or cp > 1 (the planner's FLOPs model has no replicated-projection split).
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -99,15 +101,19 @@ def planner_matmul_flops(recipe, stage: int) -> float | None:
 
 def measured_figures(out: Path, logs: str, world: int, step: int) -> list[dict]:
     from telechat_moe.collectives_log import read_step
-    from telechat_moe.executed_flops import executed_flops
+    from telechat_moe.executed_flops import executed_flops, with_routed_rows
     held = {int(r): (int(b.replace(",", "")), int(p.replace(",", ""))) for r, b, p in MEMORY.findall(logs)}
+    logged = next(r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
+                  if r.get("step") == step and "loss" in r)
+    flops = with_routed_rows([executed_flops(out / "profile", out / "graphs", rank, step) for rank in range(world)],
+                             logged.get("ep_rows_sent", 0.0))
     rows = []
     for rank in range(world):
         line = read_step(out, rank, step)
         rows.append({"held": held[rank][0], "params": held[rank][1], **{k: line["bytes_by_kind"].get(k, 0)
                                                                        for k in KINDS},
                      "calls": {k: sum(c["calls"] for c in line["collectives"] if c["kind"] == k) for k in KINDS},
-                     "matmul_flops": executed_flops(out / "profile", out / "graphs", rank, step).flops})
+                     "matmul_flops": flops[rank].flops})
     return rows
 
 

@@ -10,7 +10,11 @@ outputs' abstract shapes. A call's FLOPs, 2 per multiply-add:
 - our CPU grouped-matmul AOT kernels (ops.Custom `GroupedMatmul`, `GroupedMatmulDx`, `GroupedMatmulDw`): 2 * rows *
   K * N from the static shapes, rows = the routed rows' buffer (tokens * top_k). The kernel multiplies the first
   sum(group_sizes) rows only; dropless routing fills the buffer, so they agree; with capacity drops this is the
-  buffer, an upper bound.
+  buffer, an upper bound. Under expert parallelism the rows a rank receives are data-dependent (the IR's rows are
+  -1): such a call counts 2 * K * N per row, times the routed rows the step's dispatches sent (the step log's
+  ep_rows_sent, summed over ranks, routed copies plus one pad row per member and exchange) over the MoE layers' forward
+  executions of all ranks (`with_routed_rows`): each rank's mean, since over the ranks what they receive is what they
+  sent.
 The attention core runs inside the FlashAttention kernels (no matmul kernel) and is not counted here.
 """
 from __future__ import annotations
@@ -37,29 +41,32 @@ class ExecutedFlops:
     calls: int                  # matmul kernel calls in the step
     by_kind: dict               # MatMul / BatchMatMul / GroupedMatmul* -> FLOPs
     unmatched: int              # matmul-typed kernels of the step with no IR node of their name
+    per_row: float = 0.0        # grouped-matmul calls of data-dependent rows: their FLOPs per routed row, summed
+    row_layers: int = 0         # their MoE layer executions (forward GroupedMatmul calls / 2: gate-up and down)
 
 
-def node_flops(node: Node, func_name: str = "") -> tuple[str, float] | None:
-    """(kind, FLOPs of one call) of a matmul node; None for any other node or one without static shapes."""
+def node_flops(node: Node, func_name: str = "") -> tuple[str, float, bool] | None:
+    """(kind, FLOPs of one call, whether per routed row) of a matmul node; per row for a grouped matmul whose rows
+    are data-dependent; None for any other node or one of other unknown shapes."""
     kind = node.op if node.op in MATMULS else func_name.rsplit(":", 1)[-1] if node.op == "Custom" else ""
     if kind not in (*MATMULS, *GROUPED) or len(node.inputs) < 2 or not node.outputs:
         return None
     a, b, out = node.inputs[0].shape, node.inputs[1].shape, node.outputs[0].shape
-    if any(d < 0 for d in (*a, *b, *out)):
-        return None
     if kind in MATMULS:
-        return kind, 2.0 * prod(out) * prod(a[-2:]) / out[-2]
-    if kind == "GroupedMatmulDw":        # x (rows, K), dy (rows, N) -> dw (E, K, N)
-        return kind, 2.0 * a[0] * out[-2] * out[-1]
-    return kind, 2.0 * a[0] * a[1] * out[-1]     # x (rows, K) @ w (E, K, N) / dy (rows, N) @ w^T -> (rows, *)
+        return None if any(d < 0 for d in (*a, *b, *out)) else (kind, 2.0 * prod(out) * prod(a[-2:]) / out[-2], False)
+    # x (rows, K) @ w (E, K, N) -> (rows, N); dy (rows, N) @ w^T -> (rows, K); x^T @ dy -> dw (E, K, N)
+    k_n = out[-2] * out[-1] if kind == "GroupedMatmulDw" else a[1] * out[-1]
+    if k_n < 0:
+        return None
+    return (kind, 2.0 * k_n, True) if a[0] < 0 else (kind, 2.0 * a[0] * k_n, False)
 
 
-def ir_matmuls(folder: Path) -> dict[str, tuple[str, float]]:
-    """Full scope name -> (kind, FLOPs per call) of every matmul node of the built kernel graphs under `folder`."""
+def ir_matmuls(folder: Path) -> dict[str, tuple[str, float, bool]]:
+    """Full scope name -> (kind, FLOPs per call or per routed row, per row) of every matmul node of the built kernel graphs under `folder`."""
     files = sorted(folder.rglob(IR_GLOB)) if folder.is_dir() else []
     if not files:
         raise FlopsJoinError(f"{folder}: no {IR_GLOB} (train with --set fusion.save_graphs=true)")
-    out: dict[str, tuple[str, float]] = {}
+    out: dict[str, tuple[str, float, bool]] = {}
     for path in files:
         text = path.read_text(errors="replace")
         funcs = _custom_funcs(text)
@@ -92,15 +99,31 @@ def executed_flops(profile_dir: Path, graphs_dir: Path, rank: int, step: int) ->
     (prof,) = load_steps(profile_dir, rank, frozenset({step}))
     ranked = graphs_dir / f"rank_{rank}"
     table = ir_matmuls(ranked if ranked.is_dir() else graphs_dir)
-    flops, calls, unmatched, by_kind = 0.0, 0, 0, {}
+    flops, calls, unmatched, by_kind, per_row, forwards = 0.0, 0, 0, {}, 0.0, 0
     for k in prof.kernels:
         got = table.get(k.name)
         if got is None:
             unmatched += k.op_type in MATMULS
             continue
-        flops += got[1]
+        kind, value, row = got
         calls += 1
-        by_kind[got[0]] = by_kind.get(got[0], 0.0) + got[1]
+        if row:
+            per_row += value
+            forwards += kind == "GroupedMatmul"
+        else:
+            flops += value
+            by_kind[kind] = by_kind.get(kind, 0.0) + value
     if not calls:
         raise FlopsJoinError(f"{profile_dir}: no kernel of step {step} joins a matmul node of {graphs_dir}")
-    return ExecutedFlops(flops, calls, by_kind, unmatched)
+    return ExecutedFlops(flops, calls, by_kind, unmatched, per_row, forwards // 2)
+
+
+def with_routed_rows(ranks: list[ExecutedFlops], rows_sent: float) -> list[ExecutedFlops]:
+    """Each rank's figure with its data-dependent grouped-matmul calls counted at the mean routed rows per MoE layer
+    execution: `rows_sent` (the step's ep_rows_sent, summed over ranks) over all ranks' MoE layer executions."""
+    layers = sum(r.row_layers for r in ranks)
+    if not layers:
+        return ranks
+    rows = rows_sent / layers
+    return [ExecutedFlops(r.flops + r.per_row * rows, r.calls, {**r.by_kind, "grouped (routed rows)": r.per_row * rows},
+                          r.unmatched, 0.0, r.row_layers) for r in ranks]

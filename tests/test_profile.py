@@ -64,6 +64,24 @@ def test_executed_matmul_flops_join_the_ir_and_match_the_planner(profiled_run):
         assert got.flops == pytest.approx(planned, rel=0.05)
 
 
+def test_grouped_matmul_of_routed_rows_counts_per_row():
+    """Under ep the rows a rank receives are data-dependent (-1 in the IR): a grouped matmul's FLOPs per row, then
+    the step's routed rows over the ranks' MoE layer executions."""
+    from dvm_fusion.report import Node, Tensor
+    from telechat_moe.executed_flops import ExecutedFlops, node_flops, with_routed_rows
+    fwd = Node("1", "Custom", [], [Tensor("Float32", (-1, 384))], inputs=[Tensor("Float32", (-1, 256)),
+                                                                         Tensor("Float32", (8, 256, 384))])
+    assert node_flops(fwd, "k.so:GroupedMatmul") == ("GroupedMatmul", 2.0 * 256 * 384, True)
+    dw = Node("2", "Custom", [], [Tensor("Float32", (8, 256, 384))], inputs=[Tensor("Float32", (4096, 256)),
+                                                                           Tensor("Float32", (4096, 384))])
+    assert node_flops(dw, "k.so:GroupedMatmulDw") == ("GroupedMatmulDw", 2.0 * 4096 * 256 * 384, False)
+    mm = Node("3", "MatMul", [], [Tensor("Float32", (80, 256))], inputs=[Tensor("Float32", (1024, 80)),
+                                                                       Tensor("Float32", (1024, 256))])
+    assert node_flops(mm) == ("MatMul", 2.0 * 80 * 256 * 1024, False)       # transpose_a: K = 1024
+    ranks = [ExecutedFlops(10.0, 5, {}, 0, per_row=3.0, row_layers=2), ExecutedFlops(10.0, 5, {}, 0, 3.0, 2)]
+    assert [r.flops for r in with_routed_rows(ranks, 400.0)] == [10.0 + 3.0 * 100, 10.0 + 3.0 * 100]
+
+
 def test_profile_report_bad_input_is_one_line(profiled_run, tmp_path):
     assert_one_line_error(run_cli("-m", "telechat_moe.profiling", str(profiled_run / "profile"), "--steps", "2"),
                           "--steps", "step 2 was not profiled", "3,4")
