@@ -118,12 +118,14 @@ def executed_flops(profile_dir: Path, graphs_dir: Path, rank: int, step: int) ->
     return ExecutedFlops(flops, calls, by_kind, unmatched, per_row, forwards // 2)
 
 
-def with_routed_rows(ranks: list[ExecutedFlops], rows_sent: float) -> list[ExecutedFlops]:
+def with_routed_rows(ranks: list[ExecutedFlops], rows_sent: float, etp: int = 1) -> list[ExecutedFlops]:
     """Each rank's figure with its data-dependent grouped-matmul calls counted at the mean routed rows per MoE layer
-    execution: `rows_sent` (the step's ep_rows_sent, summed over ranks) over all ranks' MoE layer executions."""
+    execution: `rows_sent` (the step's ep_rows_sent, summed over ranks) over all ranks' MoE layer executions; under
+    expert tensor parallelism each rank's experts run on the rows of its whole etp group (gathered over etp before
+    them, parallel/tp/expert.py), etp times what its own exchange received."""
     layers = sum(r.row_layers for r in ranks)
     if not layers:
         return ranks
-    rows = rows_sent / layers
+    rows = rows_sent / layers * etp
     return [ExecutedFlops(r.flops + r.per_row * rows, r.calls, {**r.by_kind, "grouped (routed rows)": r.per_row * rows},
                           r.unmatched, 0.0, r.row_layers) for r in ranks]
