@@ -34,6 +34,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from oneline import OneLineParser
 from precision.compare import compare_runs, first_divergence_text
 from precision.envelope import rounding_envelope
@@ -109,17 +111,38 @@ def read_run(out: Path) -> RunResult:
     return RunResult(steps, held_out)
 
 
-def finished(out: Path, steps: int) -> bool:
-    """A run in `out` logged every step and its held-out loss (an interrupted bench's runs that need no rerun)."""
+def trained_with(out: Path, assignments: list[str]) -> bool:
+    """Whether the run in `out` resolved every `key=value` as given (its logs/recipe.yaml): a folder of another
+    layout or other settings is not this run, whatever its position in the bench's list was."""
+    try:
+        resolved = yaml.safe_load((out / "logs" / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        node = resolved
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        if node != yaml.safe_load(value):
+            return False
+    return True
+
+
+def finished(out: Path, steps: int, assignments: list[str]) -> bool:
+    """A run in `out` of these assignments that logged every step and its held-out loss (an interrupted bench's runs
+    that need no rerun)."""
     try:
         run = read_run(out)
     except (OSError, ValueError):
         return False
-    return len(run.steps) == steps and not math.isnan(run.held_out) and (out / "dump").is_dir()
+    return len(run.steps) == steps and not math.isnan(run.held_out) and (out / "dump").is_dir() and \
+        trained_with(out, assignments)
 
 
 def train(layout: Layout, common: list[str], out: Path, tokenizer: Path | None, reuse: bool, steps: int) -> RunResult:
-    if reuse and finished(out, steps):
+    if reuse and finished(out, steps, [*common[1:], *layout.assignments]):
         print(f"[agreement] {layout.name or 'one process'}: reusing {out}", flush=True)
         return read_run(out)
     args = ["run_train.py", "--recipe", common[0]]

@@ -65,6 +65,7 @@ class Node:
     args: list[str]             # the %values it reads
     outputs: list[Tensor]
     scope: str = ""
+    inputs: list[Tensor] = field(default_factory=list)  # the tensors it reads, where the IR gives their types
 
 
 @dataclass
@@ -86,13 +87,12 @@ class FusedKernel:
     file: str
 
 
-def _output_types(type_line: str) -> list[Tensor]:
-    """`: (inputs) -> (outputs)` -> the output tensors."""
+def _types(type_line: str, side: int) -> list[Tensor]:
+    """`: (inputs) -> (outputs)` -> the input (side 0) or output (side 1) tensors."""
     if "->" not in type_line:
         return []
-    out = type_line.split("->", 1)[1]
     return [Tensor(dtype, tuple(int(d) for d in dims.replace(" ", "").split(",") if d))
-            for dtype, dims in _TENSOR.findall(out)]
+            for dtype, dims in _TENSOR.findall(type_line.split("->", 1)[side])]
 
 
 def parse_ir(text: str, path: Path) -> list[Subgraph]:
@@ -137,7 +137,7 @@ def parse_ir(text: str, path: Path) -> list[Subgraph]:
             continue
         stripped = line.strip()
         if last is not None and stripped.startswith(": (") and not last.outputs:     # the first: abstract types
-            last.outputs = _output_types(stripped)
+            last.inputs, last.outputs = _types(stripped, 0), _types(stripped, 1)
         m = _SCOPE.search(stripped)
         if m and last is not None and not last.scope:
             last.scope = m.group(1)

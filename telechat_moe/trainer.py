@@ -25,6 +25,7 @@ from dvm_fusion.grouped_matmul import KERNEL_CLOCK
 from parallel.comm.counters import counting
 from parallel.cp import ContextParallel
 from parallel.layout import Axis
+from parallel.pipeline.schedules import ChunkLayout
 from parallel.tp.mappings import TensorParallel
 from telechat_moe.batches import (SampleLog, batch_tensors, prepare_run_data, publish_tokenizer, source_shares,
                                   train_loader)
@@ -85,8 +86,10 @@ class Trainer:
         self.plan = stage_plan(recipe, rank) if self.stages > 1 else None
         parts = self.plan.parts(cfg.num_nextn_predict_layers > 0) if self.plan else None
         if self.plan:
-            info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} (chunk k on stage k % "
-                 f"{self.stages}); placement:\n{self.plan.description}", self.main)
+            where = ("chunks k and 2p-1-k on stage k" if self.plan.chunk_layout is ChunkLayout.V
+                     else f"chunk k on stage k % {self.stages}")
+            info(f"[pipeline] layers per chunk {[e - b for b, e in self.plan.bounds]} ({where}); placement:\n"
+                 f"{self.plan.description}", self.main)
         self.model = TeleChatMoE(cfg, device, self.ep, self.tp, parts, reuse_layers(recipe, self.plan), self.cp)
         self.model.set_recompute(recipe.recompute_config.mode)
         self.groups = GradientGroups.of(recipe.layout, rank, device)

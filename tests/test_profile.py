@@ -17,7 +17,7 @@ def profiled_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("profiled")
     proc = run_cli("run_train.py", "--recipe", "tiny", "--set", "training.train_steps=4", "--set", "profile.steps=3-4",
                    "--set", f"output_dir={out}", "--set", "training.log_interval=1", "--set", "training.eval_batches=0",
-                   timeout=600)
+                   "--set", "fusion.save_graphs=true", timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out
 
@@ -47,6 +47,39 @@ def test_profile_report_matches_the_logged_step_time(profiled_run, tmp_path):
     t3, t4 = (s["trainer_step_s"] for s in numbers["steps"])
     assert logged[3] == pytest.approx((t2 + t3) / 2, rel=1e-9)
     assert logged[4] == pytest.approx((t2 + t3 + t4) / 3, rel=1e-9)
+
+
+def test_executed_matmul_flops_join_the_ir_and_match_the_planner(profiled_run):
+    """Each profiled step's matmul kernels joined by scope name to the IR dump's shapes (telechat_moe/
+    executed_flops.py): every MatMul kernel finds its node, and the sum is the planner's matmul FLOPs for the run."""
+    from bench.plan_vs_run import planner_matmul_flops
+    from telechat_moe.executed_flops import executed_flops
+    from telechat_moe.recipe import load_recipe
+    planned = planner_matmul_flops(load_recipe("tiny", []), 0)
+    for step in (3, 4):
+        got = executed_flops(profiled_run / "profile", profiled_run / "graphs", 0, step)
+        print(step, got)
+        assert got.unmatched == 0 and got.calls > 0
+        assert set(got.by_kind) == {"MatMul", "GroupedMatmul", "GroupedMatmulDx", "GroupedMatmulDw"}
+        assert got.flops == pytest.approx(planned, rel=0.05)
+
+
+def test_grouped_matmul_of_routed_rows_counts_per_row():
+    """Under ep the rows a rank receives are data-dependent (-1 in the IR): a grouped matmul's FLOPs per row, then
+    the step's routed rows over the ranks' MoE layer executions."""
+    from dvm_fusion.report import Node, Tensor
+    from telechat_moe.executed_flops import ExecutedFlops, node_flops, with_routed_rows
+    fwd = Node("1", "Custom", [], [Tensor("Float32", (-1, 384))], inputs=[Tensor("Float32", (-1, 256)),
+                                                                         Tensor("Float32", (8, 256, 384))])
+    assert node_flops(fwd, "k.so:GroupedMatmul") == ("GroupedMatmul", 2.0 * 256 * 384, True)
+    dw = Node("2", "Custom", [], [Tensor("Float32", (8, 256, 384))], inputs=[Tensor("Float32", (4096, 256)),
+                                                                           Tensor("Float32", (4096, 384))])
+    assert node_flops(dw, "k.so:GroupedMatmulDw") == ("GroupedMatmulDw", 2.0 * 4096 * 256 * 384, False)
+    mm = Node("3", "MatMul", [], [Tensor("Float32", (80, 256))], inputs=[Tensor("Float32", (1024, 80)),
+                                                                       Tensor("Float32", (1024, 256))])
+    assert node_flops(mm) == ("MatMul", 2.0 * 80 * 256 * 1024, False)       # transpose_a: K = 1024
+    ranks = [ExecutedFlops(10.0, 5, {}, 0, per_row=3.0, row_layers=2), ExecutedFlops(10.0, 5, {}, 0, 3.0, 2)]
+    assert [r.flops for r in with_routed_rows(ranks, 400.0)] == [10.0 + 3.0 * 100, 10.0 + 3.0 * 100]
 
 
 def test_profile_report_bad_input_is_one_line(profiled_run, tmp_path):
