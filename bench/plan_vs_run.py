@@ -118,20 +118,22 @@ def planner_matmul_flops(recipe, stage: int) -> float:
 
 
 def measured_figures(out: Path, logs: str, world: int, step: int, etp: int = 1) -> list[dict]:
+    """Each rank's measured figures; "matmul_flops" only where the run was profiled (`profile.steps` and
+    `fusion.save_graphs`, as this bench trains), else None."""
     from telechat_moe.collectives_log import read_step
     from telechat_moe.executed_flops import executed_flops, with_routed_rows
     held = {int(r): (int(b.replace(",", "")), int(p.replace(",", ""))) for r, b, p in MEMORY.findall(logs)}
     logged = next(r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
                   if r.get("step") == step and "loss" in r)
     flops = with_routed_rows([executed_flops(out / "profile", out / "graphs", rank, step) for rank in range(world)],
-                             logged.get("ep_rows_sent", 0.0), etp)
+                             logged.get("ep_rows_sent", 0.0), etp) if (out / "profile").is_dir() else None
     rows = []
     for rank in range(world):
         line = read_step(out, rank, step)
         rows.append({"held": held[rank][0], "params": held[rank][1], **{k: line["bytes_by_kind"].get(k, 0)
                                                                        for k in KINDS},
                      "calls": {k: sum(c["calls"] for c in line["collectives"] if c["kind"] == k) for k in KINDS},
-                     "matmul_flops": flops[rank].flops})
+                     "matmul_flops": flops[rank].flops if flops else None})
     return rows
 
 
