@@ -54,7 +54,7 @@ def test_runtime_fit_recovers_known_constants():
 
     cpu = load_cluster("cpu")
     truth = Runtime(compute_scale=0.8, expert_compute_scale=3.0, update_scale=12.0, accumulate_scale=9.0,
-                    step_overhead=0.2, devices_share_cores=True, keeps_op_outputs=True,
+                    step_overhead=0.2, devices_share_cores=True, keeps_op_outputs=True, rendezvous_transfers=True,
                     activation_outputs=7.0, recompute_outputs=2.0, weight_outputs=4.0, graph_memory=3e8,
                     communicator_memory=2e8)
     made = dataclasses.replace(cpu, runtime=truth)

@@ -134,7 +134,8 @@ def test_the_expert_data_parallel_group_spans_its_own_ranks_nodes():
     assert [float(x[0]) for x in c.group_span(np.array([2.0]), np.array([128.0]))] == [2.0, 1.0]
     assert [float(x[0]) for x in c.group_span(c.ep, c.etp)] == [16.0, 2.0]       # 32 ranks 4 apart: 2 per node
     assert [float(x[0]) for x in c.group_span(c.tp, 1.0)] == [1.0, 4.0]
-    mem = {"dense_params": np.array([0.0]), "expert_params": np.array([1e9]), "replicated_params": np.array([0.0])}
+    mem = {"dense_params": np.array([0.0]), "expert_params": np.array([1e9]), "replicated_params": np.array([0.0]),
+           "pair_params": np.array([0.0])}
     reduce_scatter = gradient_comm(w, lay, mem)["edp"][0][0]
     ring = 1e9 * w.precision.grad_bytes / 2 / c.inter_bw + w.cluster.inter_latency
     assert reduce_scatter == pytest.approx(ring, rel=1e-12)
