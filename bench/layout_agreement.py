@@ -184,16 +184,16 @@ def agree(layout: Layout, one: RunResult, run: RunResult, tokens: int, one_dir: 
     envelope = {key: rounding_envelope({s: r[key] for s, r in one.steps.items()},
                                        [{s: r[key] for s, r in c.steps.items()} for _, c in controls], chain)
                 for key in COMPARED}
-    ranked = sorted(((c.name, *worst_ratio(control, run, {key: chain for key in COMPARED}), d)
-                     for (c, control), d in zip(controls, control_dirs)), key=lambda x: x[1])
+    bound = {key: chain for key in COMPARED}
+    nearest = min(((c.name, *worst_ratio(control, run, bound), d) for (c, control), d in zip(controls, control_dirs)),
+                  key=lambda x: x[1], default=None)
     last = max(one.steps)
     # the run it follows closest, tensor by tensor at the last step: the dumps say whether the whole state (every
     # weight's gradient and Adam moment), not only the logged losses, stayed within rounding of that control
-    nearest_last = first_divergence_text(compare_runs(ranked[0][3] / "dump", out / "dump", step=last,
-                                                      rtol_scale=last, same_model=False)) if ranked else []
-    return Agreement(layout, run, *worst_ratio(one, run, {key: chain for key in COMPARED}),
-                     relative_error(run.held_out, one.held_out), *worst_ratio(one, run, envelope),
-                     ranked[0][:3] if ranked else None,
+    nearest_last = first_divergence_text(compare_runs(nearest[3] / "dump", out / "dump", step=last, rtol_scale=last,
+                                                      same_model=False)) if nearest else []
+    return Agreement(layout, run, *worst_ratio(one, run, bound), relative_error(run.held_out, one.held_out),
+                     *worst_ratio(one, run, envelope), nearest[:3] if nearest else None,
                      first_divergence_text(compare_runs(one_dir / "dump", out / "dump", step=1)),
                      first_divergence_text(compare_runs(one_dir / "dump", out / "dump", step=last, rtol_scale=last)),
                      nearest_last)
