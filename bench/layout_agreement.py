@@ -111,26 +111,20 @@ def read_run(out: Path) -> RunResult:
     return RunResult(steps, held_out)
 
 
-def trained_with(out: Path, assignments: list[str]) -> bool:
-    """Whether the run in `out` resolved every `key=value` as given (its logs/recipe.yaml): a folder of another
-    layout or other settings is not this run, whatever its position in the bench's list was."""
+def trained_with(out: Path, recipe: str, assignments: list[str]) -> bool:
+    """Whether the run in `out` is this recipe with exactly these assignments: its resolved recipe (logs/recipe.yaml)
+    equals the one they resolve to here. A folder of another layout or other settings is not this run, whatever its
+    position in the bench's list was, also where it holds every one of these assignments and more (pp2 tp2 m4's
+    folder holds pp2 m4's)."""
+    from telechat_moe.recipe import load_recipe
     try:
         resolved = yaml.safe_load((out / "logs" / "recipe.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return False
-    for assignment in assignments:
-        key, _, value = assignment.partition("=")
-        node = resolved
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
-        if node != yaml.safe_load(value):
-            return False
-    return True
+    return resolved == yaml.safe_load(yaml.safe_dump(load_recipe(recipe, assignments).to_dict(), sort_keys=False))
 
 
-def finished(out: Path, steps: int, assignments: list[str]) -> bool:
+def finished(out: Path, steps: int, recipe: str, assignments: list[str]) -> bool:
     """A run in `out` of these assignments that logged every step and its held-out loss (an interrupted bench's runs
     that need no rerun)."""
     try:
@@ -138,16 +132,17 @@ def finished(out: Path, steps: int, assignments: list[str]) -> bool:
     except (OSError, ValueError):
         return False
     return len(run.steps) == steps and not math.isnan(run.held_out) and (out / "dump").is_dir() and \
-        trained_with(out, assignments)
+        trained_with(out, recipe, assignments)
 
 
 def train(layout: Layout, common: list[str], out: Path, tokenizer: Path | None, reuse: bool, steps: int) -> RunResult:
-    if reuse and finished(out, steps, [*common[1:], *layout.assignments]):
+    assignments = [*common[1:], *layout.assignments, f"output_dir={out}"] + (
+        [f"data.tokenizer={tokenizer}"] if tokenizer else [])
+    if reuse and finished(out, steps, common[0], assignments):
         print(f"[agreement] {layout.name or 'one process'}: reusing {out}", flush=True)
         return read_run(out)
     args = ["run_train.py", "--recipe", common[0]]
-    for assignment in [*common[1:], *layout.assignments, f"output_dir={out}"] + (
-            [f"data.tokenizer={tokenizer}"] if tokenizer else []):
+    for assignment in assignments:
         args += ["--set", assignment]
     print(f"[agreement] {layout.name or 'one process'}: {layout.world} process(es) ...", flush=True)
     if layout.world == 1:
