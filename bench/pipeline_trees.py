@@ -3,15 +3,20 @@ step time (the trainer's) and its pipeline step measured against the simulator (
 the run's own checkout), so a before/after pair is measured side by side in one session.
 
     .venv/bin/python -m bench.pipeline_trees --tree BEFORE_DIR --tree . --layout "pp2 vpp2 m8" [--layout "pp4 m8"]
-        [--steps 3] [--rounds 2] [--recipe tiny] [--out DIR]
+        [--steps 8] [--rounds 2] [--recipe tiny] [--out DIR]
 
 A checkout is a folder with run_train.py (e.g. `git worktree add --detach DIR COMMIT`, its .venv and ../shared as
 this one's); each run uses that folder's code (PYTHONPATH and working directory) and this interpreter. Layouts
 are bench.layout_agreement's tokens. Rounds alternate the trees (round r: every tree once, in order), so that a
 load change on the machine reaches both; runs go one at a time through the tests' machine-wide msrun lock. The
-table: per layout and tree, every round's trainer step time at --steps (metrics.jsonl, every step logged) and the
-pipeline's measured step (the schedule alone, from the timeline), the last round's measured idle share, simulated
-(rendezvous transfers) and eager-send idle shares, and the ratio of the trees' median step times.
+table: per layout and tree, every round's steady trainer step (the median of steps 3..--steps, each step's own time;
+step 1 compiles, step 2 may still warm up and is shown apart) and the pipeline's measured step at --steps (the
+schedule alone, from the timeline), the last round's measured idle share, simulated (rendezvous transfers) and
+eager-send idle shares, and the ratio of the trees' median steady steps.
+
+A step's own time comes from metrics.jsonl (every step logged): its `step_time_s` is the mean of the steps since the
+first, over the last WINDOW of them (telechat_moe/metrics.py), so step n's own time is the difference of two
+consecutive sums; --steps stays within the window so that no step leaves it.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from bench.layout_agreement import parse_layout
 from oneline import OneLineParser
 from tests.helpers import free_port, msrun_environment, one_msrun_at_a_time, run_cli
 
+WINDOW = 20        # the steps metrics.py's step_time_s averages (after the first)
 IDLE = re.compile(r"idle share: measured ([\d.]+)%, simulated ([\d.]+)%")
 STEP = re.compile(r"step: measured ([\d.]+) s, simulated ([\d.]+) s")
 EAGER = re.compile(r"eager sends.*?idle ([\d.]+)%")
@@ -48,16 +54,25 @@ def train(tree: Path, world: int, args: list[str], out: Path) -> None:
         raise SystemExit(f"bench.pipeline_trees: {out.name} failed (exit {proc.returncode}):\n{logs}")
 
 
+def own_step_times(records: list[dict]) -> dict[int, float]:
+    """Step n (>= 2) -> its own time, from the logged means of steps 2..n (module docstring)."""
+    means = {r["step"]: r["step_time_s"] for r in records if "step_time_s" in r}
+    return {n: (n - 1) * means[n] - (n - 2) * means[n - 1] if n > 2 else means[2]
+            for n in sorted(means) if n >= 2}
+
+
 def measure(tree: Path, out: Path, step: int) -> dict:
-    """The trainer's step time at `step` and the timeline report (from `tree`'s own scripts.pipeline_timeline)."""
+    """The trainer's steady step and step 2's time, and the timeline report of `step` (from `tree`'s own
+    scripts.pipeline_timeline)."""
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    step_time = next(r["step_time_s"] for r in records if r.get("step") == step and "step_time_s" in r)
+    own = own_step_times(records)
+    step_time = statistics.median(t for n, t in own.items() if n >= 3)
     report = run_cli("-m", "scripts.pipeline_timeline", str(out), "--step", str(step), "--png-dir",
                      str(out / "png"), env={"PYTHONPATH": str(tree)}, cwd=tree)
     if report.returncode != 0:
         raise SystemExit(f"bench.pipeline_trees: the timeline of {out} failed:\n{report.stderr[-2000:]}")
     idle, step_line, eager = IDLE.search(report.stdout), STEP.search(report.stdout), EAGER.search(report.stdout)
-    return {"step_time": step_time, "pipeline_step": float(step_line[1]), "idle": float(idle[1]),
+    return {"step_time": step_time, "second": own[2], "pipeline_step": float(step_line[1]), "idle": float(idle[1]),
             "simulated_idle": float(idle[2]), "eager_idle": float(eager[1])}
 
 
@@ -66,10 +81,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", action="append", required=True, help="a checkout (repeatable; first = before)")
     ap.add_argument("--layout", action="append", required=True, help="e.g. 'pp2 vpp2 m8' (repeatable)")
     ap.add_argument("--recipe", default="tiny")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="keep the runs here (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
+    if not 3 <= args.steps <= WINDOW + 1:
+        ap.error(f"--steps: 3 to {WINDOW + 1} (a steady step after step 2, every step within the logged mean)")
     trees = [Path(t).resolve() for t in args.tree]
     for t in trees:
         if not (t / "run_train.py").is_file():
@@ -83,8 +100,7 @@ def main(argv=None) -> int:
                 for ti, tree in enumerate(trees):
                     out = root / f"l{li}_t{ti}_r{r}"
                     shutil.rmtree(out, ignore_errors=True)
-                    # every step logged, so that the last step's time is its own (a log line averages the steps
-                    # since the one before)
+                    # every step logged: each step's own time from the logged means (own_step_times)
                     sets = [*layout.assignments, f"training.train_steps={args.steps}", "training.log_interval=1",
                             "training.eval_interval=0", "training.save_interval=0", f"output_dir={out}"]
                     print(f"[trees] round {r}, {layout.name}, {tree} ...", flush=True)
@@ -94,10 +110,10 @@ def main(argv=None) -> int:
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{args.recipe}, step {args.steps}, {args.rounds} rounds alternating the trees\n")
-    print("| layout | tree | step time per round (s) | pipeline step (s) | idle measured | simulated "
+    print(f"\n{args.recipe}, {args.steps} steps, {args.rounds} rounds alternating the trees\n")
+    print("| layout | tree | steady step per round (s) | step 2 (s) | pipeline step (s) | idle measured | simulated "
           "(rendezvous) | eager sends |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for li, layout in enumerate(layouts):
         medians = []
         for ti, tree in enumerate(trees):
@@ -105,11 +121,12 @@ def main(argv=None) -> int:
             last = runs[-1]
             medians.append(statistics.median(x["step_time"] for x in runs))
             times = ", ".join(f"{x['step_time']:.3f}" for x in runs)
+            second = ", ".join(f"{x['second']:.3f}" for x in runs)
             pipeline = ", ".join(f"{x['pipeline_step']:.3f}" for x in runs)
-            print(f"| {layout.name} | {tree.name} | {times} | {pipeline} | {last['idle']:.1f}% | "
+            print(f"| {layout.name} | {tree.name} | {times} | {second} | {pipeline} | {last['idle']:.1f}% | "
                   f"{last['simulated_idle']:.1f}% | {last['eager_idle']:.1f}% |")
-        print(f"| {layout.name} | median step, {trees[-1].name} / {trees[0].name} | "
-              f"{medians[-1] / medians[0]:.2f}x | | | | |")
+        print(f"| {layout.name} | median steady step, {trees[-1].name} / {trees[0].name} | "
+              f"{medians[-1] / medians[0]:.2f}x | | | | | |")
     return 0
 
 
