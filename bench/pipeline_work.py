@@ -14,7 +14,7 @@ machine-wide msrun lock.
 Beside the kernel counts, the matmul FLOPs of the same step summed over the ranks (`fusion.save_graphs`: the
 profiler's kernels joined to the IR's shapes, telechat_moe/executed_flops.py) and the planner's figure for the same
 layout summed over its stages (bench.plan_vs_run.planner_matmul_flops: 3 x the layers' forward, 4 x under full
-recompute: one extra forward of every decoder layer).
+recompute: one extra forward of every decoder layer, the MTP blocks' included).
 """
 from __future__ import annotations
 

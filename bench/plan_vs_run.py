@@ -22,8 +22,8 @@ Matmul FLOPs per rank and step, within 5%: measured, the FLOPs of the matmul ker
 IR's shapes by full scope name; under ep, the grouped matmuls at the routed rows the step log's ep_rows_sent
 counts); the planner's, the forward FLOPs of every GEMM the cost model prices for a micro-batch
 (parallel/planner/blocks.py, counted as it prices them: attention projections as tp splits or replicates them, dense
-FFN, router, routed experts at their expected rows, shared expert, head, MTP), 3 x forward (4 x for layers under
-full recompute), for the layers of the rank's stage and its micro-batches. The attention core (FlashAttention
+FFN, router, routed experts at their expected rows, shared expert, head, MTP), 3 x forward (4 x for the decoder layers, MTP's
+included, under full recompute), for the layers of the rank's stage and its micro-batches. The attention core (FlashAttention
 kernels) is in neither.
 """
 from __future__ import annotations
@@ -110,11 +110,15 @@ def planner_matmul_flops(recipe, stage: int) -> float:
     layers = range(s.num_layers) if holdings is None else sorted(holdings[stage].layers)
     last = holdings is None or holdings[stage].last
     dense = sum(layer < s.first_k_dense for layer in layers)
-    forward = dense * _block_flops(w, lay, "dense_layer") + (len(layers) - dense) * _block_flops(w, lay, "moe_layer")
+    moe = _block_flops(w, lay, "moe_layer")
+    forward = dense * _block_flops(w, lay, "dense_layer") + (len(layers) - dense) * moe
     tail = _block_flops(w, lay, "head") + (s.mtp_depth * _block_flops(w, lay, "mtp") if s.mtp_depth else 0.0)
-    layer_passes = 4 if recipe.recompute_config.recompute else 3
+    # full recompute reruns every decoder layer's forward in its backward, the MTP blocks' layers too
+    # (model.set_recompute; the cost model's mtp_mode)
+    full = recipe.recompute_config.mode == "full"
+    rerun = forward + (s.mtp_depth * moe if last else 0.0)
     micro_batches = w.global_batch // (recipe.layout.dp * int(lay.mbs[0]))
-    return micro_batches * (layer_passes * forward + (3 * tail if last else 0.0))
+    return micro_batches * (3 * forward + (3 * tail if last else 0.0) + (rerun if full else 0.0))
 
 
 def measured_figures(out: Path, logs: str, world: int, step: int, etp: int = 1) -> list[dict]:
