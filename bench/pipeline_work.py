@@ -18,7 +18,6 @@ recompute: one extra forward of every decoder layer, the MTP blocks' included).
 """
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections import Counter
@@ -28,7 +27,7 @@ from pathlib import Path
 from bench.layout_agreement import parse_layout
 from bench.plan_vs_run import planner_matmul_flops
 from oneline import OneLineParser
-from telechat_moe.executed_flops import executed_flops, with_routed_rows
+from telechat_moe.executed_flops import run_executed_flops
 from telechat_moe.profiling import load_steps
 from telechat_moe.recipe import load_recipe
 from tests.helpers import msrun, run_cli
@@ -57,14 +56,6 @@ class Work:
     planned_flops: float
 
 
-def matmul_flops(out: Path, ranks: int, step: int) -> float:
-    """The matmul FLOPs of `step` summed over the ranks (under ep, the grouped matmuls at the step's routed rows)."""
-    logged = next(r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
-                  if r.get("step") == step and "loss" in r)
-    per_rank = [executed_flops(out / "profile", out / "graphs", rank, step) for rank in range(ranks)]
-    return sum(r.flops for r in with_routed_rows(per_rank, logged.get("ep_rows_sent", 0.0)))
-
-
 def run(recipe: str, sets: list[str], world: int, out: Path, step: int) -> Work:
     args = ["run_train.py", "--recipe", recipe]
     for s in [*sets, f"training.train_steps={step}", f"profile.steps={step}", "training.eval_interval=0",
@@ -79,7 +70,8 @@ def run(recipe: str, sets: list[str], world: int, out: Path, step: int) -> Work:
         raise SystemExit(f"bench.pipeline_work: {out.name} failed (exit {proc.returncode}):\n{logs}")
     resolved = load_recipe(recipe, sets)
     planned = sum(planner_matmul_flops(resolved, stage) for stage in range(resolved.layout.pp))
-    return Work(*matmul_kernels(out / "profile", world, step), matmul_flops(out, world, step), planned)
+    return Work(*matmul_kernels(out / "profile", world, step),
+                sum(r.flops for r in run_executed_flops(out, world, step)), planned)
 
 
 def main(argv=None) -> int:

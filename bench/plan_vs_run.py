@@ -28,7 +28,6 @@ kernels) is in neither.
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
@@ -125,12 +124,9 @@ def measured_figures(out: Path, logs: str, world: int, step: int, etp: int = 1) 
     """Each rank's measured figures; "matmul_flops" only where the run was profiled (`profile.steps` and
     `fusion.save_graphs`, as this bench trains), else None."""
     from telechat_moe.collectives_log import read_step
-    from telechat_moe.executed_flops import executed_flops, with_routed_rows
+    from telechat_moe.executed_flops import run_executed_flops
     held = {int(r): (int(b.replace(",", "")), int(p.replace(",", ""))) for r, b, p in MEMORY.findall(logs)}
-    logged = next(r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
-                  if r.get("step") == step and "loss" in r)
-    flops = with_routed_rows([executed_flops(out / "profile", out / "graphs", rank, step) for rank in range(world)],
-                             logged.get("ep_rows_sent", 0.0), etp) if (out / "profile").is_dir() else None
+    flops = run_executed_flops(out, world, step, etp) if (out / "profile").is_dir() else None
     rows = []
     for rank in range(world):
         line = read_step(out, rank, step)

@@ -112,9 +112,9 @@ def planner_prediction(out: Path, schedule):
     from parallel.pipeline.simulator import simulate
     from parallel.pipeline.timeline import simulate_programs
     from telechat_moe.recipe import load_recipe
-    from telechat_moe.workload import recipe_layout, recipe_placement, recipe_workload
+    from telechat_moe.workload import device_cluster, recipe_layout, recipe_placement, recipe_workload
     recipe = load_recipe(str(path))
-    w = recipe_workload(recipe, "ascend910b" if recipe.context.device_target == "Ascend" else "cpu")
+    w = recipe_workload(recipe, device_cluster(recipe))
     costs = recipe_placement(recipe).stage_costs(placement_p2p(w, recipe_layout(recipe, w)))
     return (simulate_programs if w.cluster.runtime.rendezvous_transfers else simulate)(schedule, costs)
 

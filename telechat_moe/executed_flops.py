@@ -19,6 +19,7 @@ The attention core runs inside the FlashAttention kernels (no matmul kernel) and
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -129,3 +130,13 @@ def with_routed_rows(ranks: list[ExecutedFlops], rows_sent: float, etp: int = 1)
     rows = rows_sent / layers * etp
     return [ExecutedFlops(r.flops + r.per_row * rows, r.calls, {**r.by_kind, "grouped (routed rows)": r.per_row * rows},
                           r.unmatched, 0.0, r.row_layers) for r in ranks]
+
+
+def run_executed_flops(out: Path, world: int, step: int, etp: int = 1) -> list[ExecutedFlops]:
+    """Each rank's figure of `step` in the run under `out` (trained with `profile.steps` and `fusion.save_graphs`):
+    its profile/ joined to its graphs/, the grouped matmuls at the routed rows its logs/metrics.jsonl records for
+    the step (`with_routed_rows`)."""
+    logged = next(r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
+                  if r.get("step") == step and "loss" in r)
+    return with_routed_rows([executed_flops(out / "profile", out / "graphs", rank, step) for rank in range(world)],
+                            logged.get("ep_rows_sent", 0.0), etp)

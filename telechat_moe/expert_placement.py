@@ -36,6 +36,7 @@ from parallel.ep.placement import Placement, expert_flops_per_token
 from parallel.optim.state import Overwrite
 from telechat_moe.moe.replicas import slot_tables
 from telechat_moe.optimizer_state import SlicedMoments
+from telechat_moe.workload import device_cluster
 
 
 @dataclass
@@ -69,8 +70,7 @@ class ExpertMigrator:
         self.spares = np.full((len(routers), self.ep, self.spare), -1)
         self.tables = [slot_tables(self.experts, self.ep, s) for s in self.spares]
         expert_params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        cluster = "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
-        self.cost = MoveCost.from_cluster(cluster, expert_params)
+        self.cost = MoveCost.from_cluster(device_cluster(recipe), expert_params)
         self.seconds_per_token = expert_flops_per_token(cfg.hidden_size, cfg.moe_intermediate_size) / peak_flops
         # a weight's Adam moments: Parameters of the replicated optimizer, or (weight, kind) entries of the
         # distributed one's slices (with its float32 master below float32 weights, moved alike), read and written

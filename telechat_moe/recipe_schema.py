@@ -151,7 +151,7 @@ class ProfileConfig:
     DIR` reports top operators, time per phase, host gaps and each step's total)."""
     steps: str = ""                       # e.g. "3-4" (training.dump_steps' syntax); empty: no profiling
     output_dir: str = ""                  # empty: <output_dir>/profile
-    # count every collective the comm layer issues (kind, group, bytes) into logs/collectives_rank<R>.jsonl, one
+    # count every collective the comm layer issues (kind, group, bytes) into logs/collectives/rank_<R>.jsonl, one
     # record per step (parallel/comm/counters.py; a host callback per collective: for measurement runs)
     collectives: bool = False
 

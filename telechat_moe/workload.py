@@ -101,6 +101,11 @@ def memory_limit(recipe, w: Workload) -> float:
     return gb * 2 ** 30 if gb > 0 else w.cluster.usable_memory
 
 
+def device_cluster(recipe) -> str:
+    """The cluster that prices the recipe's device: clusters/cpu.yaml on CPU, ascend910b on Ascend."""
+    return "ascend910b" if recipe.context.device_target == "Ascend" else "cpu"
+
+
 def recipe_placement(recipe):
     """The pipeline placement the trainer builds for a recipe with pipeline_stage > 1 (telechat_moe/pipeline_step.py:
     stage_plan) and the dry run counts memory by: the placement MILP (`balance`) over the planner's units of its
@@ -108,7 +113,7 @@ def recipe_placement(recipe):
     laid on the stages as the schedule runs them (DualPipeV's V, else interleaved)."""
     from parallel.pipeline.placement import PlacementOptions, balance, planner_units
     from parallel.pipeline.schedules import ChunkLayout
-    w = recipe_workload(recipe, "ascend910b" if recipe.context.device_target == "Ascend" else "cpu")
+    w = recipe_workload(recipe, device_cluster(recipe))
     layout = recipe_layout(recipe, w)
     shape = ChunkLayout.V if recipe.parallel_config.pipeline_scheduler == "dualpipev" else ChunkLayout.INTERLEAVED
     return balance(planner_units(w, layout), layout.pp, layout.vpp,

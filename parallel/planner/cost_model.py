@@ -155,8 +155,9 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
     dense = st.embedding * b.embedding.dense_params + st.last * (b.head.dense_params + d * b.mtp.dense_params)
     # MTP's copy of the embedding on a last stage apart from it (model_shape.stage_parameters); its gradient and the
     # first stage's are summed over the pair of stages (telechat_moe/pipeline_step.py: SumShared)
-    copies = (d > 0 and not w.shape.tie_embeddings) * np.logical_xor(st.embedding > 0, st.last > 0)
-    dense = dense + st.last * (1 - st.embedding) * (d > 0 and not w.shape.tie_embeddings) * b.embedding.dense_params
+    mtp_copy = d > 0 and not w.shape.tie_embeddings
+    copies = mtp_copy * np.logical_xor(st.embedding > 0, st.last > 0)
+    dense = dense + st.last * (1 - st.embedding) * mtp_copy * b.embedding.dense_params
     largest_act = st.last * (d > 0) * _pick(b.mtp.act, st.mtp_mode)  # the largest block's kept activations
     replicated = st.last * (b.head.replicated_params + d * b.mtp.replicated_params)
     expert = st.last * d * b.mtp.expert_params
@@ -176,7 +177,7 @@ def stage_memory(w: Workload, lay: Layouts, b: BlockCosts, st: StagePlan) -> dic
             transient_none = np.maximum(transient_none, np.where(count > 0, blk.transient[0], 0.0))
             largest_act = np.maximum(largest_act, np.where(count > 0, blk.act[mode], 0.0))
     shards_dense = lay.dp * lay.cp if w.shard_optimizer else 1     # the dense gradients' group is dp x cp
-    shards_expert = lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp) if w.shard_optimizer else 1
+    shards_expert = lay.edp if w.shard_optimizer else 1
     params = dense + expert
     rt = w.cluster.runtime
     # on the device: the kept activations but their offloaded share, and that share of the two blocks in transfer
@@ -209,8 +210,7 @@ def held_gradient_bytes(w: Workload, lay: Layouts) -> np.ndarray:
     """Bytes per parameter of the gradients each layout holds between micro-batches, by the trainer's rule
     (parallel/optim/memory.py, as the dry run asks it): the distributed optimizer's float32 buckets, or
     accumulators in the weights' dtype under pipeline parallelism or the replicated optimizer."""
-    edp = lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp)
-    distributed = uses_distributed(w.shard_optimizer, lay.dp * lay.cp, edp,
+    distributed = uses_distributed(w.shard_optimizer, lay.dp * lay.cp, lay.edp,
                                    "float32" if w.precision.param_bytes >= 4 else "below float32")
     return accumulate_bytes(distributed, lay.m, lay.pp > 1, w.precision.param_bytes)
 
@@ -233,7 +233,7 @@ def gradient_comm(w: Workload, lay: Layouts, mem: dict) -> dict[str, np.ndarray]
     first and the last stage (across nodes). `mem`: stage_memory's dense_params, expert_params, replicated_params,
     pair_params."""
     p, c = w.precision, Costing(w, lay)
-    edp, ep = (lay.dp * lay.cp * lay.tp) / (lay.ep * lay.etp), lay.ep * lay.etp
+    edp, ep = lay.edp, lay.ep * lay.etp
     dense, expert = mem["dense_params"], mem["expert_params"]
     dense_group = c.dp * c.cp      # a context-parallel rank's gradient is its share of the sequence's (parallel/cp)
     return {"dp": (c.all_gather(dense * p.grad_bytes, dense_group, c.tp),
@@ -249,7 +249,6 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     runtime's separate gradient-accumulation passes; `fwd` / `bwd` are the stage's per-micro-batch times that the
     data-parallel reduce-scatter / all-gather hide behind (the sums over tp and ep run after the backward)."""
     p, c = w.precision, Costing(w, lay)
-    edp = (lay.dp * lay.cp * lay.tp) / (lay.ep * lay.etp)
     dense, expert = mem["dense_params"], mem["expert_params"]
     g = gradient_comm(w, lay, mem)
     rs, ag = g["dp"][0] + g["edp"][0], g["dp"][1] + g["edp"][1]
@@ -257,7 +256,7 @@ def update_time(w: Workload, lay: Layouts, mem: dict, fwd, bwd) -> np.ndarray:
     exposed = exposed + g["tp"] + g["ep"] + g["pair"]
     per_param = p.grad_bytes + 2 * p.optimizer_bytes + 2 * p.master + p.param_bytes
     shards_d = c.dp * c.cp if w.shard_optimizer else 1.0
-    shards_e = edp if w.shard_optimizer else 1.0
+    shards_e = lay.edp if w.shard_optimizer else 1.0
     rt = c.c.runtime
     update = rt.update_scale / rt.compute_scale  # the update kernels' own scale
     # with micro-batches, m - 1 passes add into the buffer, then one adds it to the last and one zeroes it

@@ -94,8 +94,7 @@ def step_collective_bytes(w: Workload, lay: Layouts, st, distributed) -> dict[st
     out = {k: lay.m * v for k, v in per_micro.items()}
     mem = stage_memory(w, lay, block_costs(w, lay), st)
     dense, expert = mem["dense_params"], mem["expert_params"]
-    edp = lay.dp * lay.cp * lay.tp / (lay.ep * lay.etp)
-    for params, group in ((dense, lay.dp * lay.cp), (expert, edp)):
+    for params, group in ((dense, lay.dp * lay.cp), (expert, lay.edp)):
         reduced = (group > 1) * params * FP32
         out["reduce_scatter"] = out["reduce_scatter"] + np.where(distributed, reduced, 0.0)
         out["all_gather"] = out["all_gather"] + np.where(distributed, reduced / group * p.param_bytes / FP32, 0.0)

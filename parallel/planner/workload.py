@@ -82,6 +82,11 @@ class Layouts:
     def __len__(self) -> int:
         return len(self.tp)
 
+    @property
+    def edp(self) -> np.ndarray:
+        """The expert-data-parallel degree of each layout (ParallelLayout.edp)."""
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
+
     def take(self, index) -> "Layouts":
         return Layouts(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
